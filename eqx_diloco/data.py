@@ -1,0 +1,141 @@
+"""Token streams: the embedded corpus, text files, token files and a synthetic pattern.
+
+Each replica samples windows from its own contiguous, disjoint share of the training
+tokens. The batch of step t is a pure function of (seed, replica, t), so a resumed run
+sees exactly the batches an uninterrupted run would have seen, with no data position to
+save beyond the step. The last `eval_fraction` of the tokens is held out for evaluation.
+"""
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from .config import ConfigError, DataConfig
+
+
+def corpus_bytes(max_bytes: int) -> bytes:
+    """The Python standard library's own `.py` sources (sorted, concatenated), up to `max_bytes`.
+
+    Every Python installation ships them, so nothing is downloaded.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return b"".join(chunks)[:max_bytes]
+
+
+def _text_bytes(path: Path) -> bytes:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    try:
+        return b"".join(p.read_bytes() for p in files)
+    except OSError as e:
+        raise ConfigError(f"--data.path is not readable: {e.filename}: {e.strerror}") from None
+
+
+def synthetic_tokens(num_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
+    """A learnable stream: each token usually follows a fixed random successor table."""
+    rng = np.random.default_rng(seed)
+    successor = rng.permutation(vocab_size)
+    tokens = np.empty(num_tokens, np.uint16)
+    tokens[0] = 0
+    noise = rng.random(num_tokens) < 0.1
+    random_tokens = rng.integers(0, vocab_size, num_tokens)
+    for i in range(1, num_tokens):
+        tokens[i] = random_tokens[i] if noise[i] else successor[tokens[i - 1]]
+    return tokens
+
+
+def load_tokens(config: DataConfig, vocab_size: int, seed: int) -> np.ndarray:
+    """All tokens of the configured source as a flat uint16 array."""
+    if config.source == "corpus":
+        tokens = np.frombuffer(corpus_bytes(config.max_corpus_bytes), np.uint8).astype(np.uint16)
+    elif config.source == "text":
+        if config.path is None or not config.path.exists():
+            raise ConfigError(f"--data.path does not exist: {config.path}")
+        tokens = np.frombuffer(_text_bytes(config.path), np.uint8).astype(np.uint16)
+        if tokens.size == 0:
+            raise ConfigError(f"--data.path holds no text: {config.path}")
+    elif config.source == "tokens":
+        if config.path is None or not config.path.is_file():
+            raise ConfigError(f"--data.path must be a file of uint16 token ids: {config.path}")
+        try:
+            tokens = np.fromfile(config.path, np.uint16)
+        except OSError as e:
+            raise ConfigError(f"--data.path is not readable: {config.path}: {e.strerror}") from None
+        if tokens.size == 0:
+            raise ConfigError(f"--data.path holds no tokens: {config.path}")
+    elif config.source == "synthetic":
+        tokens = synthetic_tokens(200_000, vocab_size, seed)
+    else:
+        raise ConfigError(f"--data.source must be one of corpus, text, tokens, synthetic (got {config.source})")
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        raise ConfigError(
+            f"--model.vocab-size must exceed every token id in --data.path (found id {int(tokens.max())})"
+        )
+    return tokens
+
+
+class TokenBatches:
+    """Per-replica training batches and a fixed held-out evaluation batch.
+
+    **Arguments:**
+
+    - `tokens`: all tokens (uint16).
+    - `num_replicas`: R; replica r reads only the r-th contiguous share of the train split.
+    - `batch_size`: sequences per replica per step.
+    - `seq_len`: tokens per sequence (windows hold seq_len + 1 tokens).
+    - `eval_fraction`: share of tokens held out (from the end) for evaluation.
+    - `seed`: seed of the window positions.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        num_replicas: int,
+        batch_size: int,
+        seq_len: int,
+        eval_fraction: float,
+        seed: int,
+    ):
+        split = int(len(tokens) * (1.0 - eval_fraction))
+        self.train, self.held_out = tokens[:split], tokens[split:]
+        self.num_replicas, self.batch_size, self.seq_len, self.seed = num_replicas, batch_size, seq_len, seed
+        self.share = len(self.train) // num_replicas
+        window = seq_len + 1
+        if self.share < window:
+            raise ConfigError(
+                f"--train.seq-len is too long: each of {num_replicas} replicas has {self.share} training tokens, "
+                f"a sequence needs {window}"
+            )
+        if len(self.held_out) < window:
+            raise ConfigError(
+                f"--data.eval-fraction leaves {len(self.held_out)} held-out tokens, fewer than one sequence ({window})"
+            )
+
+    def batch(self, step: int) -> np.ndarray:
+        """Tokens for inner step `step` (0-based): int32 of shape (R, batch_size, seq_len + 1)."""
+        window = self.seq_len + 1
+        out = np.empty((self.num_replicas, self.batch_size, window), np.int32)
+        for r in range(self.num_replicas):
+            rng = np.random.default_rng([self.seed, r, step])
+            starts = r * self.share + rng.integers(0, self.share - window + 1, self.batch_size)
+            out[r] = self.train[starts[:, None] + np.arange(window)]
+        return out
+
+    def eval_batch(self, num_sequences: int) -> np.ndarray:
+        """`num_sequences` evenly spaced held-out windows: int32 (num_sequences, seq_len + 1)."""
+        window = self.seq_len + 1
+        starts = np.linspace(0, len(self.held_out) - window, num_sequences).astype(np.int64)
+        return self.held_out[starts[:, None] + np.arange(window)].astype(np.int32)

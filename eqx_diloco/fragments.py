@@ -1,0 +1,132 @@
+"""Cut a model's parameters into Streaming DiLoCo fragments.
+
+Fragment 0 holds every leaf outside the model's layer stack (embeddings, final norm,
+head). Fragments 1..P-1 hold groups of layers sliced out of the stacked arrays along the
+layer axis. With P = 1 there is a single fragment holding every leaf.
+
+A fragment's values are a flat list of arrays, in tree-flatten order. That is all an
+optax optimizer, a psum or a quantizer needs, and it keeps the slicing in one place.
+The layer stack is found through the model's `layer_stack` class attribute, never by
+matching parameter names. Everything here works on concrete arrays, tracers and
+`jax.ShapeDtypeStruct`s, with or without a leading replica axis (`layer_axis=1`).
+"""
+
+import dataclasses
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+def layer_groups(num_layers: int, num_fragments: int, pattern: Literal["strided", "sequential"]) -> list[np.ndarray]:
+    """Layer indices of fragments 1..P-1 (a list of P-1 arrays)."""
+    groups = num_fragments - 1
+    if groups == 0:
+        return []
+    if num_layers % groups:
+        raise ValueError(f"num_layers={num_layers} is not divisible by num_fragments - 1 = {groups}")
+    if pattern == "strided":
+        return [np.arange(g, num_layers, groups) for g in range(groups)]
+    size = num_layers // groups
+    return [np.arange(g * size, (g + 1) * size) for g in range(groups)]
+
+
+def stack_mask(tree: PyTree) -> list[bool]:
+    """Per leaf of `tree` (flatten order): True where the leaf lives in the layer stack."""
+    false = jax.tree.map(lambda _: False, tree)
+    mask = eqx.tree_at(
+        lambda m: getattr(m, m.layer_stack), false, replace_fn=lambda s: jax.tree.map(lambda _: True, s)
+    )
+    return jax.tree.leaves(mask)
+
+
+def _take(x, index: np.ndarray, axis: int):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        shape = x.shape[:axis] + (len(index),) + x.shape[axis + 1 :]
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+    if np.array_equal(index, np.arange(index[0], index[0] + len(index))):
+        return jax.lax.slice_in_dim(x, int(index[0]), int(index[0]) + len(index), axis=axis)
+    return jnp.take(x, index, axis=axis)
+
+
+def _place(x, index: np.ndarray, axis: int, value):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return x.at[(slice(None),) * axis + (index,)].set(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragmenter:
+    """Which leaves and layer slices form each fragment, for models of one shape.
+
+    **Arguments:**
+
+    - `num_layers`: depth of the model's layer stack.
+    - `num_fragments`: P, the total number of fragments.
+    - `pattern`: `strided` (fragment f holds layers f-1, f-1+(P-1), ...) or `sequential`.
+    - `excluded`: optional per-leaf flags (flatten order of the params tree); flagged
+      leaves belong to no fragment (MoE router leaves that sync on their own schedule).
+    """
+
+    num_layers: int
+    num_fragments: int
+    pattern: Literal["strided", "sequential"] = "strided"
+    excluded: tuple[bool, ...] | None = None
+
+    def __post_init__(self):
+        if self.num_fragments < 1:
+            raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
+        layer_groups(self.num_layers, self.num_fragments, self.pattern)  # validates divisibility
+
+    def layers(self, fragment: int) -> np.ndarray | None:
+        """Layer indices of `fragment`, or None if it holds no stacked layers (fragment 0, P > 1)."""
+        if self.num_fragments == 1:
+            return np.arange(self.num_layers)
+        if fragment == 0:
+            return None
+        return layer_groups(self.num_layers, self.num_fragments, self.pattern)[fragment - 1]
+
+    def _members(self, tree: PyTree) -> list[tuple[int, bool]]:
+        """(leaf position, sliced-from-stack) for every leaf that takes part in any fragment."""
+        in_stack = stack_mask(tree)
+        excluded = self.excluded or (False,) * len(in_stack)
+        if len(excluded) != len(in_stack):
+            raise ValueError(f"excluded has {len(excluded)} flags for a tree of {len(in_stack)} leaves")
+        return [(i, s) for i, (s, e) in enumerate(zip(in_stack, excluded)) if not e]
+
+    def _selection(self, tree: PyTree, fragment: int) -> list[tuple[int, np.ndarray | None]]:
+        if not 0 <= fragment < self.num_fragments:
+            raise ValueError(f"fragment must be in [0, {self.num_fragments}), got {fragment}")
+        if self.num_fragments == 1:
+            return [(i, None) for i, _ in self._members(tree)]
+        layers = self.layers(fragment)
+        if layers is None:
+            return [(i, None) for i, s in self._members(tree) if not s]
+        return [(i, layers) for i, s in self._members(tree) if s]
+
+    def get(self, tree: PyTree, fragment: int, *, layer_axis: int = 0) -> list:
+        """The values of `fragment` in `tree` as a flat list of arrays.
+
+        `layer_axis` is the layer axis of stacked leaves: 0 for a plain model, 1 when every
+        leaf carries a leading replica axis.
+        """
+        leaves = jax.tree.leaves(tree)
+        return [leaves[i] if idx is None else _take(leaves[i], idx, layer_axis) for i, idx in self._selection(tree, fragment)]
+
+    def put(self, tree: PyTree, fragment: int, values: list, *, layer_axis: int = 0) -> PyTree:
+        """`tree` with `fragment`'s values replaced by `values` (as returned by `get`)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        selection = self._selection(tree, fragment)
+        if len(values) != len(selection):
+            raise ValueError(f"fragment {fragment} has {len(selection)} leaves, got {len(values)} values")
+        for (i, idx), value in zip(selection, values):
+            leaves[i] = value if idx is None else _place(leaves[i], idx, layer_axis, value)
+        return jax.tree.unflatten(treedef, leaves)
+
+    def nbytes(self, tree: PyTree, fragment: int) -> int:
+        """Bytes of `fragment`'s values in `tree` at their own dtype (no replica axis)."""
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in self.get(tree, fragment))

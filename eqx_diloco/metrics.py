@@ -1,0 +1,96 @@
+"""metrics.jsonl, config.json and the terminal progress display."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(x) for x in obj]
+    return obj
+
+
+def write_config(run_dir: Path, config) -> None:
+    """`<run_dir>/config.json`: the full resolved config."""
+    (run_dir / "config.json").write_text(json.dumps(to_jsonable(config), indent=2) + "\n")
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `<run_dir>/metrics.jsonl`.
+
+    **Arguments:**
+
+    - `run_dir`: the run folder (created if missing).
+    - `resume_step`: on resume, lines of steps after this one (written by a run that died
+      before its next checkpoint) are dropped so the file reads like one uninterrupted run.
+    - `enabled`: False on every process but process 0.
+    """
+
+    def __init__(self, run_dir: Path, *, resume_step: int = 0, enabled: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step > 0 and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError):
+                    continue  # a line torn by a kill mid-write
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = self.path.open("a")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+
+
+class ProgressDisplay:
+    """A rich progress bar with loss and tokens/s on a terminal; plain log lines otherwise."""
+
+    def __init__(self, total: int, start: int, *, enabled: bool = True):
+        self.enabled = enabled
+        self.console = Console(file=sys.stdout)
+        self.interactive = enabled and self.console.is_terminal
+        self._progress = None
+        if self.interactive:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total, completed=start, status="")
+            self._progress.start()
+
+    def update(self, step: int, status: str) -> None:
+        if self.interactive:
+            self._progress.update(self._task, completed=step, status=status)
+
+    def log(self, line: str) -> None:
+        if self.enabled:
+            self.console.print(line, highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

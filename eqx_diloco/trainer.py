@@ -1,0 +1,275 @@
+"""The host loop: dispatch steps, run outer syncs on schedule, log, evaluate, checkpoint.
+
+Step t+1 is dispatched before step t's metrics are read (so the host never idles the
+devices while it formats a log line); only evaluations and the end block.
+"""
+
+import dataclasses
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models import Transformer
+from models.transformer import lm_loss
+
+from . import schedule
+from .checkpoint import Checkpointer
+from .config import Config, ConfigError, validate
+from .data import TokenBatches, load_tokens
+from .fragments import Fragmenter
+from .mesh import make_mesh
+from .metrics import MetricsLog, ProgressDisplay, write_config
+from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
+from .outer import FragmentGroup, OuterSync, sync_nbytes
+from .state import TrainState, build_state, init_state, state_shardings
+from .step import make_inner_step
+
+
+class NonFiniteError(RuntimeError):
+    """A replica produced a NaN/Inf loss or outer gradient under `--train.on-nonfinite stop`."""
+
+
+def global_model(state: TrainState) -> Transformer:
+    """The model to evaluate: theta_g for DiLoCo, replica 0 for ddp (all replicas are equal)."""
+    if state.global_params is not None:
+        return state.global_params
+    return jax.tree.map(lambda x: x[0], state.params)
+
+
+@eqx.filter_jit
+def eval_loss(model: Transformer, tokens) -> jax.Array:
+    """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses)."""
+    return lm_loss(model, tokens)[1]["ce"]
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Builds everything a run needs from a validated `Config` and runs it.
+
+    **Arguments:**
+
+    - `config`: the run's configuration.
+    - `verbose`: print progress (process 0 only in multi-process runs).
+    """
+
+    config: Config
+    verbose: bool = True
+
+    def __post_init__(self):
+        config = self.config
+        validate(config)
+        self.is_main = jax.process_index() == 0
+        self.mesh = make_mesh(config)
+        d, t = config.diloco, config.train
+        self.diloco = config.algorithm == "diloco"
+        self.num_fragments = d.num_fragments if self.diloco else 1
+        tokens = load_tokens(config.data, config.model.vocab_size, t.seed)
+        self.batches = TokenBatches(
+            tokens,
+            num_replicas=d.num_replicas,
+            batch_size=t.batch_size,
+            seq_len=t.seq_len,
+            eval_fraction=config.data.eval_fraction,
+            seed=t.seed,
+        )
+        abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
+        self.fragmenter = Fragmenter(config.model.num_layers, self.num_fragments, d.fragment_pattern)
+        self.inner_opt = inner_optimizer(t, abstract_model.weight_decay_mask())
+        self.outer_opt = outer_optimizer(d)
+        self.lr_schedule = inner_schedule(t)
+        abstract_state = eqx.filter_eval_shape(
+            lambda: build_state(config, self.fragmenter, self.inner_opt, self.outer_opt)
+        )
+        self.shardings = state_shardings(abstract_state, self.mesh)
+        self.abstract_state = abstract_state
+        skip = t.on_nonfinite == "skip"
+        self.inner_step = make_inner_step(self.mesh, self.inner_opt, ddp=not self.diloco, skip_nonfinite=skip)
+        self.outer = None
+        param_bytes = sync_nbytes([x.shape for x in jax.tree.leaves(abstract_model)], "none")
+        if self.diloco:
+            groups = tuple(FragmentGroup(self.fragmenter, p) for p in range(self.num_fragments))
+            self.outer = OuterSync(
+                self.mesh, groups, self.outer_opt, d.quantize, d.alpha, skip, d.error_feedback, self.shardings
+            )
+            self.group_bytes = [self.outer.nbytes(abstract_state, p) for p in range(self.num_fragments)]
+        else:
+            self.group_bytes = []
+        self.ddp_step_bytes = param_bytes  # one full float32 gradient per step
+        self.batch_sharding = NamedSharding(self.mesh, P("diloco", "data"))
+        self.eval_tokens = jax.device_put(
+            self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, P())
+        )
+        ck = config.checkpoint
+        self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)
+
+    # -- schedule ---------------------------------------------------------------------
+
+    def events(self, t: int) -> tuple[int | None, int | None]:
+        """(fragment whose sync starts after step t, fragment merged after step t)."""
+        if not self.diloco:
+            return None, None
+        d = self.config.diloco
+        return (
+            schedule.synced_fragment(t, d.sync_period, self.num_fragments),
+            schedule.applied_fragment(t, d.sync_period, self.num_fragments, d.overlap_steps),
+        )
+
+    def sent_bytes_at(self, t: int) -> int:
+        """Bytes one replica sends for synchronisation at step t."""
+        if not self.diloco:
+            return self.ddp_step_bytes
+        synced, _ = self.events(t)
+        return 0 if synced is None else self.group_bytes[synced]
+
+    def outer_steps(self, state: TrainState, t: int) -> tuple[TrainState, jax.Array | None, int | None, int | None]:
+        """Run the syncs and merges due after step t. Returns (state, finite flags, synced, applied)."""
+        synced, applied = self.events(t)
+        finite = None
+        if synced is not None and synced == applied:  # tau = 0: apply at once
+            state, finite = self.outer.sync_and_merge(state, synced)
+            return state, finite, synced, applied
+        if applied is not None:
+            state = self.outer.merge(state, applied)
+        if synced is not None:
+            state, finite = self.outer.sync(state, synced)
+        return state, finite, synced, applied
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def initial_state(self) -> tuple[TrainState, int]:
+        restored = self.checkpointer.restore_latest(self.abstract_state, self.shardings, self.config)
+        if restored is not None:
+            return restored
+        return init_state(self.config, self.mesh, self.fragmenter, self.inner_opt, self.outer_opt), 0
+
+    def _check_finite(self, t: int, what: str, values: np.ndarray) -> list[int]:
+        bad = [r for r, ok in enumerate(values) if not ok]
+        if bad and self.config.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite {what} in replica {bad[0]} at step {t} (--train.on-nonfinite stop; "
+                f"use skip to drop that replica's contribution)"
+            )
+        return bad
+
+    def run(self) -> dict[str, Any]:
+        """Train to `--train.steps`. Returns a summary (final eval loss, bytes, steps/s)."""
+        config, t_cfg = self.config, self.config.train
+        state, start = self.initial_state()
+        show = self.verbose and self.is_main
+        if start >= t_cfg.steps:
+            if show:
+                print(f"run in {config.run_dir} already finished at step {start}; nothing to do")
+            return {"finished": True, "step": start}
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            write_config(config.run_dir, config)
+        log = MetricsLog(config.run_dir, resume_step=start, enabled=self.is_main)
+        display = ProgressDisplay(t_cfg.steps, start, enabled=show)
+        if start and show:
+            display.log(f"resumed from checkpoint at step {start}")
+
+        sent = sum(self.sent_bytes_at(s) for s in range(1, start + 1))
+        peak = max([self.sent_bytes_at(s) for s in range(1, start + 1)], default=0)
+        tokens_per_step = config.diloco.num_replicas * t_cfg.batch_size * t_cfg.seq_len
+        pending = None  # step t's device-side metrics, read after step t+1 is dispatched
+        last_time, last_step = time.perf_counter(), start
+        eval_loss_value = None
+        try:
+            for step in range(start, t_cfg.steps):
+                t = step + 1
+                tokens = jax.device_put(self.batches.batch(step), self.batch_sharding)
+                state, metrics = self.inner_step(state, tokens)
+                finite, synced, applied = None, None, None
+                if self.diloco:
+                    state, finite, synced, applied = self.outer_steps(state, t)
+                sent += self.sent_bytes_at(t)
+                peak = max(peak, self.sent_bytes_at(t))
+                if pending is not None:
+                    last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
+                pending = dict(
+                    step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent, peak=peak
+                )
+                eval_due = t == t_cfg.steps or (t_cfg.eval_every and t % t_cfg.eval_every == 0)
+                if eval_due:
+                    last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
+                    pending = None
+                    eval_loss_value = float(eval_loss(global_model(state), self.eval_tokens))
+                    log.write({"step": t, "eval_loss": eval_loss_value})
+                    if show:
+                        display.log(f"step {t:>6}  eval_loss {eval_loss_value:.4f}")
+                    last_time = time.perf_counter()  # do not charge the evaluation to training throughput
+                if self.checkpointer.due(t) or t == t_cfg.steps:
+                    self.checkpointer.save(t, state, config)
+            if pending is not None:
+                self._emit(pending, log, display, tokens_per_step, last_time, last_step)
+        finally:
+            self.checkpointer.wait()
+            display.close()
+            log.close()
+        return {
+            "finished": True,
+            "step": t_cfg.steps,
+            "eval_loss": eval_loss_value,
+            "sent_bytes": sent,
+            "peak_sync_bytes": peak,
+        }
+
+    def _emit(self, pending, log, display, tokens_per_step, last_time, last_step):
+        """Read step t's metrics (already computed), check them, log them. Returns the new timer."""
+        t = pending["step"]
+        m = jax.device_get(pending["metrics"])
+        self._check_finite(t, "loss", m["finite"])
+        if pending["finite"] is not None:
+            self._check_finite(t, "outer gradient", np.asarray(pending["finite"]))
+        event = pending["synced"] is not None or pending["applied"] is not None
+        if t % self.config.train.log_every and t != self.config.train.steps and not event:
+            return last_time, last_step
+        now = time.perf_counter()
+        tokens_per_s = (t - last_step) * tokens_per_step / max(now - last_time, 1e-9)
+        replica_losses = [float(x) for x in m["loss"]]
+        record = {
+            "step": t,
+            "loss": float(np.mean(replica_losses)),
+            "replica_losses": replica_losses,
+            "lr": float(self.lr_schedule(t - 1)),
+            "grad_norm": float(np.mean(m["grad_norm"])),
+            "tokens_per_s": tokens_per_s,
+            "sent_bytes": pending["sent"],
+            "peak_sync_bytes": pending["peak"],
+            "synced_fragment": pending["synced"],
+            "applied_fragment": pending["applied"],
+        }
+        bad = [r for r, ok in enumerate(m["finite"]) if not ok]
+        if bad:
+            record["skipped_replicas"] = bad
+        if pending["finite"] is not None:
+            outer_bad = [r for r, ok in enumerate(np.asarray(pending["finite"])) if not ok]
+            if outer_bad:
+                record["skipped_sync_replicas"] = outer_bad
+        if "expert_usage" in m:
+            record.update(self._moe_metrics(m))
+        log.write(record)
+        status = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s"
+        display.update(t, status)
+        if not display.interactive and t % self.config.train.log_every == 0:
+            display.log(f"step {t:>6}  {status}  sent {pending['sent'] / 1e6:.1f} MB")
+        return now, t
+
+    def _moe_metrics(self, m) -> dict[str, Any]:
+        from models.moe import usage_entropy
+
+        usage = np.asarray(m["expert_usage"])  # (R, layers, experts)
+        return {"expert_balance": [float(x) for x in np.asarray(usage_entropy(jnp.asarray(usage.mean(0))))]}
+
+
+def train(config: Config, *, verbose: bool = True) -> dict[str, Any]:
+    """Validate `config`, then train. Raises `ConfigError` for bad input."""
+    return Trainer(config, verbose=verbose).run()
+
+
+__all__ = ["ConfigError", "NonFiniteError", "Trainer", "global_model", "train"]

@@ -1,0 +1,250 @@
+"""A decoder-only transformer whose blocks live in one stacked module.
+
+Every array leaf of `Transformer.blocks` has a leading layer axis of size `num_layers`.
+The stack is built with `eqx.filter_vmap` and applied with `jax.lax.scan`, so compile
+time does not grow with depth, and code that needs "layers 3 and 7" (fragments of
+Streaming DiLoCo) slices arrays instead of walking a Python list.
+"""
+
+import dataclasses
+import math
+from typing import ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._norm import RMSNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Shape of the model.
+
+    **Arguments:**
+
+    - `vocab_size`: number of token ids (256 for the byte-level tokenizer).
+    - `num_layers`: number of blocks in the stack.
+    - `dim`: width of the residual stream.
+    - `num_heads`: attention heads; must divide `dim`.
+    - `mlp_ratio`: hidden width of the feed-forward block as a multiple of `dim`.
+    - `tie_embeddings`: reuse the token embedding as the output head.
+    - `dropout`: dropout rate on each block's residual branches (0 disables it).
+    - `rope_base`: base of the rotary position embedding frequencies.
+    - `kind`: `dense` feed-forward blocks or `moe` (mixture of experts).
+    - `num_experts`: experts per MoE block (`kind=moe` only).
+    - `top_k`: experts each token is routed to (`kind=moe` only; 1 or 2).
+    - `aux_loss_weight`: weight of the MoE load-balancing loss in the training loss.
+    """
+
+    vocab_size: int = 256
+    num_layers: int = 6
+    dim: int = 128
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    rope_base: float = 10000.0
+    kind: Literal["dense", "moe"] = "dense"
+    num_experts: int = 4
+    top_k: int = 2
+    aux_loss_weight: float = 0.01
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+def _normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[Array, Array]:
+    """cos and sin tables of shape (seq_len, head_dim // 2) for rotary embeddings."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(
+    x: Float[Array, "seq heads head_dim"], cos: Float[Array, "seq half"], sin: Float[Array, "seq half"]
+) -> Float[Array, "seq heads head_dim"]:
+    """Rotate channel pairs (i, i + head_dim/2) by position-dependent angles."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class Attention(eqx.Module):
+    """Causal multi-head self-attention with rotary position embeddings."""
+
+    qkv: Float[Array, "dim three_dim"]
+    out: Float[Array, "dim dim"]
+    num_heads: int = eqx.field(static=True)
+
+    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.qkv = _normal(k1, (config.dim, 3 * config.dim), 0.02)
+        # Residual-branch outputs are scaled down with depth so the stream's variance stays flat.
+        self.out = _normal(k2, (config.dim, config.dim), 0.02 / math.sqrt(2 * config.num_layers))
+        self.num_heads = config.num_heads
+
+    def __call__(
+        self, x: Float[Array, "seq dim"], cos: Float[Array, "seq half"], sin: Float[Array, "seq half"]
+    ) -> Float[Array, "seq dim"]:
+        seq, dim = x.shape
+        q, k, v = jnp.split(x @ self.qkv, 3, axis=-1)
+        q, k, v = (t.reshape(seq, self.num_heads, dim // self.num_heads) for t in (q, k, v))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim // self.num_heads)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(causal[None], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, dim) @ self.out
+
+
+class MLP(eqx.Module):
+    """Two-layer GELU feed-forward block. Returns its output and an empty aux dict."""
+
+    up: Float[Array, "dim hidden"]
+    down: Float[Array, "hidden dim"]
+
+    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        hidden = config.mlp_ratio * config.dim
+        self.up = _normal(k1, (config.dim, hidden), 0.02)
+        self.down = _normal(k2, (hidden, config.dim), 0.02 / math.sqrt(2 * config.num_layers))
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> tuple[Float[Array, "seq dim"], dict[str, Array]]:
+        return jax.nn.gelu(x @ self.up) @ self.down, {}
+
+
+def make_ffn(config: TransformerConfig, *, key: PRNGKeyArray) -> eqx.Module:
+    if config.kind == "moe":
+        from .moe import MoE  # local import: the dense path never needs it
+
+        return MoE(config, key=key)
+    return MLP(config, key=key)
+
+
+class Block(eqx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    attn_norm: RMSNorm
+    attn: Attention
+    ffn_norm: RMSNorm
+    ffn: eqx.Module
+    dropout: float = eqx.field(static=True)
+
+    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.attn_norm = RMSNorm(config.dim)
+        self.attn = Attention(config, key=k1)
+        self.ffn_norm = RMSNorm(config.dim)
+        self.ffn = make_ffn(config, key=k2)
+        self.dropout = config.dropout
+
+    def __call__(
+        self,
+        x: Float[Array, "seq dim"],
+        cos: Float[Array, "seq half"],
+        sin: Float[Array, "seq half"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[Float[Array, "seq dim"], dict[str, Array]]:
+        k1, k2 = (None, None) if key is None else jax.random.split(key)
+        x = x + _dropout(self.attn(self.attn_norm(x), cos, sin), self.dropout, k1)
+        y, aux = self.ffn(self.ffn_norm(x))
+        return x + _dropout(y, self.dropout, k2), aux
+
+
+class Transformer(eqx.Module):
+    """Decoder-only language model.
+
+    **Arguments:**
+
+    - `config`: a `TransformerConfig`.
+    - `key`: a JAX PRNG key for the initial weights (keyword-only).
+
+    `blocks` is one `Block` whose array leaves carry a leading layer axis; the class
+    attribute `layer_stack` names that field so that fragmenting code slices it without
+    guessing from parameter names. `router_leaves` names, inside a block, the leaves that
+    belong to an MoE router (empty for dense models).
+    """
+
+    embed: Float[Array, "vocab dim"]
+    blocks: Block
+    final_norm: RMSNorm
+    head: Float[Array, "dim vocab"] | None
+    config: TransformerConfig = eqx.field(static=True)
+
+    layer_stack: ClassVar[str] = "blocks"
+
+    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        self.config = config
+        self.embed = _normal(k_embed, (config.vocab_size, config.dim), 0.02)
+        block_keys = jax.random.split(k_blocks, config.num_layers)
+        self.blocks = eqx.filter_vmap(lambda k: Block(config, key=k))(block_keys)
+        self.final_norm = RMSNorm(config.dim)
+        self.head = None if config.tie_embeddings else _normal(k_head, (config.dim, config.vocab_size), 0.02)
+
+    def apply(
+        self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
+        """Logits for one sequence, plus per-layer auxiliary outputs stacked on axis 0."""
+        cos, sin = rotary_tables(tokens.shape[0], self.config.head_dim, self.config.rope_base)
+        x = self.embed[tokens]
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        layer_keys = None if key is None else jax.random.split(key, self.config.num_layers)
+
+        def layer(x, inputs):
+            block_params, layer_key = inputs
+            block = eqx.combine(block_params, static)
+            return block(x, cos, sin, key=layer_key)
+
+        x, aux = jax.lax.scan(layer, x, (params, layer_keys))
+        x = self.final_norm(x)
+        head = self.embed.T if self.head is None else self.head
+        return x @ head, aux
+
+    def __call__(self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None) -> Float[Array, "seq vocab"]:
+        """Logits of shape (seq, vocab) for a sequence of token ids of shape (seq,)."""
+        return self.apply(tokens, key=key)[0]
+
+    def weight_decay_mask(self) -> "Transformer":
+        """A tree of bools: True for matrices that weight decay should shrink, False for norms."""
+        mask = jax.tree.map(lambda _: True, self)
+        return jax.tree.map(
+            lambda m: jax.tree.map(lambda _: False, m) if isinstance(m, RMSNorm) else m,
+            mask,
+            is_leaf=lambda m: isinstance(m, RMSNorm),
+        )
+
+
+def lm_loss(
+    model: Transformer, tokens: Int[Array, "batch seq_plus_one"], *, key: PRNGKeyArray | None = None
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Mean next-token cross entropy over a batch, plus weighted auxiliary losses.
+
+    Returns `(loss, aux)` where `aux["ce"]` is the plain cross entropy and `aux` also holds
+    the model's per-layer auxiliary outputs averaged over the batch.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    keys = None if key is None else jax.random.split(key, tokens.shape[0])
+    logits, aux = jax.vmap(lambda t, k: model.apply(t, key=k))(inputs, keys)
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    ce = -jnp.mean(jnp.take_along_axis(logprobs, targets[..., None], axis=-1))
+    aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
+    loss = ce
+    if "load_balance_loss" in aux:
+        loss = loss + model.config.aux_loss_weight * jnp.sum(aux["load_balance_loss"])
+    return loss, {"ce": ce, **aux}

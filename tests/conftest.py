@@ -1,0 +1,37 @@
+import dataclasses
+from pathlib import Path
+
+import jax
+
+# Simulated CPU devices for the ("diloco", "data") mesh; must be set before JAX starts.
+jax.config.update("jax_num_cpu_devices", 8)
+# Every implicit dtype promotion is a bug in this code base: make it an error in tests.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+import pytest  # noqa: E402
+
+from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, MeshConfig, TrainConfig  # noqa: E402
+from models import TransformerConfig  # noqa: E402
+
+
+def tiny_config(run_dir: Path, *, algorithm="diloco", model=None, diloco=None, train=None, data=None, mesh=None,
+                checkpoint=None) -> Config:
+    """A config small enough to compile and run in a few seconds on 2 CPU cores."""
+    base_model = TransformerConfig(num_layers=2, dim=32, num_heads=2, mlp_ratio=2)
+    base_train = TrainConfig(steps=8, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2, log_every=1,
+                             eval_every=0, eval_sequences=4)
+    return Config(
+        algorithm=algorithm,
+        run_dir=run_dir,
+        model=dataclasses.replace(base_model, **(model or {})),
+        diloco=dataclasses.replace(DiLoCoConfig(num_replicas=2, sync_period=2), **(diloco or {})),
+        train=dataclasses.replace(base_train, **(train or {})),
+        data=dataclasses.replace(DataConfig(source="synthetic"), **(data or {})),
+        mesh=dataclasses.replace(MeshConfig(), **(mesh or {})),
+        checkpoint=dataclasses.replace(CheckpointConfig(every=0), **(checkpoint or {})),
+    )
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    return lambda **kw: tiny_config(tmp_path / "run", **kw)
