@@ -89,10 +89,10 @@ def mean_outer_gradient(
             payloads = [quantize.encode(d, fmt) for d in deltas]
             decoded_own = [quantize.decode(p, fmt, d.shape) for p, d in zip(payloads, deltas)]
             new_residuals = [(d - q)[None] for d, q in zip(deltas, decoded_own)] if error_feedback else None
-            weights = jax.lax.all_gather(weight, "diloco")
+            weights = jax.lax.all_gather(weight, "diloco", to="invarying")
             totals = []
             for payload, d in zip(payloads, deltas):
-                gathered = jax.lax.all_gather(payload, "diloco")
+                gathered = jax.lax.all_gather(payload, "diloco", to="invarying")
                 decoded = jax.vmap(lambda p: quantize.decode(p, fmt, d.shape))(gathered)
                 mask = weights.reshape((-1,) + (1,) * d.ndim) > 0
                 totals.append(jnp.sum(jnp.where(mask, decoded, jnp.zeros_like(decoded)), axis=0))

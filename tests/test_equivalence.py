@@ -85,5 +85,5 @@ def test_sync_applies_nesterov_sgd_to_the_mean_outer_gradient(make_config):
     expected = optax.apply_updates(leaves, updates)
     for got, want in zip(jax.tree.leaves(state.global_params), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(state.params), expected):  # alpha = 0: replicas replaced
-        np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.global_params)):
+        np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))  # alpha = 0: replicas replaced
