@@ -16,144 +16,112 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DiLoCoConfig:
-    """Outer loop: replicas, sync period, outer optimizer, fragments, overlap, quantization.
-
-    **Arguments:**
-
-    - `num_replicas`: R, the number of independently training replicas ("islands").
-    - `sync_period`: H, inner steps between two outer syncs of the same parameters.
-    - `outer_lr`: learning rate of the outer SGD optimizer.
-    - `outer_momentum`: momentum of the outer SGD optimizer (0 disables it).
-    - `nesterov`: use Nesterov momentum in the outer optimizer.
-    - `num_fragments`: P, total number of Streaming DiLoCo fragments (1 = plain DiLoCo).
-      Fragment 0 holds everything outside the layer stack; fragments 1..P-1 hold layers.
-    - `fragment_pattern`: `strided` (fragment f holds layers f-1, f-1+(P-1), ...) or
-      `sequential` (contiguous blocks of layers).
-    - `overlap_steps`: tau, inner steps a fragment's sync overlaps before it is merged.
-    - `alpha`: merge weight: replica = alpha * replica + (1 - alpha) * new global.
-    - `quantize`: wire format of each replica's outer gradient.
-    - `error_feedback`: keep each replica's quantization residual and add it to its next
-      outer gradient of the same fragment.
-    - `router_sync_period`: K > 0 gives MoE router parameters their own outer step every
-      K inner steps (0 = off; router leaves then sync with their fragment).
-    """
+    """Outer loop: replicas, sync period, outer optimizer, fragments, overlap, quantization."""
 
     num_replicas: int = 2
+    """R, the number of independently training replicas ("islands")."""
     sync_period: int = 20
+    """H, inner steps between two outer syncs of the same parameters."""
     outer_lr: float = 0.7
+    """learning rate of the outer SGD optimizer."""
     outer_momentum: float = 0.9
+    """momentum of the outer SGD optimizer (0 disables it)."""
     nesterov: bool = True
+    """use Nesterov momentum in the outer optimizer."""
     num_fragments: int = 1
+    """P, total number of Streaming DiLoCo fragments (1 = plain DiLoCo). Fragment 0 holds everything outside the layer stack; fragments 1..P-1 hold layers."""
     fragment_pattern: Literal["strided", "sequential"] = "strided"
+    """`strided` (fragment f holds layers f-1, f-1+(P-1), ...) or `sequential` (contiguous blocks of layers)."""
     overlap_steps: int = 0
+    """tau, inner steps a fragment's sync overlaps before it is merged."""
     alpha: float = 0.0
+    """merge weight: replica = alpha * replica + (1 - alpha) * new global."""
     quantize: QuantizeFormat = "none"
+    """wire format of each replica's outer gradient."""
     error_feedback: bool = False
+    """keep each replica's quantization residual and add it to its next outer gradient of the same fragment."""
     router_sync_period: int = 0
+    """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Inner optimization and the loop.
-
-    **Arguments:**
-
-    - `steps`: total inner steps.
-    - `batch_size`: sequences per replica per step (split over the `data` mesh axis).
-    - `seq_len`: tokens per sequence (each sample holds seq_len + 1 tokens for the shift).
-    - `lr`: peak learning rate of the inner AdamW.
-    - `warmup_steps`: linear warm-up steps of the inner learning rate.
-    - `min_lr_ratio`: final learning rate of the cosine decay, as a fraction of `lr`.
-    - `weight_decay`: decoupled AdamW weight decay (norm gains are not decayed).
-    - `b1`, `b2`: AdamW moment decay rates.
-    - `grad_clip`: global gradient norm clip (0 disables clipping).
-    - `seed`: seed for weights, data order and dropout.
-    - `log_every`: steps between metrics lines.
-    - `eval_every`: steps between evaluations of the global model (0 = only at the end).
-    - `eval_sequences`: held-out sequences per evaluation.
-    - `on_nonfinite`: what to do when a replica's loss or outer gradient is NaN/Inf:
-      `stop` with an error, or `skip` that replica's step or sync contribution.
-    """
+    """Inner optimization and the loop."""
 
     steps: int = 200
+    """total inner steps."""
     batch_size: int = 8
+    """sequences per replica per step (split over the `data` mesh axis)."""
     seq_len: int = 128
+    """tokens per sequence (each sample holds seq_len + 1 tokens for the shift)."""
     lr: float = 3e-3
+    """peak learning rate of the inner AdamW."""
     warmup_steps: int = 20
+    """linear warm-up steps of the inner learning rate."""
     min_lr_ratio: float = 0.1
+    """final learning rate of the cosine decay, as a fraction of `lr`."""
     weight_decay: float = 0.1
+    """decoupled AdamW weight decay (norm gains are not decayed)."""
     b1: float = 0.9
+    """AdamW first-moment decay rate."""
     b2: float = 0.95
+    """AdamW second-moment decay rate."""
     grad_clip: float = 1.0
+    """global gradient norm clip (0 disables clipping)."""
     seed: int = 0
+    """seed for weights, data order and dropout."""
     log_every: int = 10
+    """steps between metrics lines."""
     eval_every: int = 50
+    """steps between evaluations of the global model (0 = only at the end)."""
     eval_sequences: int = 32
+    """held-out sequences per evaluation."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    """what to do when a replica's loss or outer gradient is NaN/Inf: `stop` with an error, or `skip` that replica's step or sync contribution."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from.
-
-    **Arguments:**
-
-    - `source`: `corpus` (embedded: the Python standard library's own source, byte-level),
-      `text` (a file or a folder of text files, byte-level), `tokens` (a flat binary file
-      of uint16 token ids) or `synthetic` (a learnable pattern, for tests).
-    - `path`: the file or folder for `text` and `tokens`.
-    - `eval_fraction`: share of the tokens held out for evaluation (taken from the end).
-    - `max_corpus_bytes`: cap on the embedded corpus size.
-    """
+    """Where tokens come from."""
 
     source: Literal["corpus", "text", "tokens", "synthetic"] = "corpus"
+    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a flat binary file of uint16 token ids) or `synthetic` (a learnable pattern, for tests)."""
     path: Path | None = None
+    """the file or folder for `text` and `tokens`."""
     eval_fraction: float = 0.05
+    """share of the tokens held out for evaluation (taken from the end)."""
     max_corpus_bytes: int = 8_000_000
+    """cap on the embedded corpus size."""
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device layout.
-
-    **Arguments:**
-
-    - `data`: devices per replica on the `data` mesh axis (ordinary data parallelism inside
-      a replica). The `diloco` axis gets one device per replica.
-    """
+    """Device layout."""
 
     data: int = 1
+    """devices per replica on the `data` mesh axis (ordinary data parallelism inside a replica). The `diloco` axis gets one device per replica."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints.
-
-    **Arguments:**
-
-    - `every`: steps between checkpoints (0 disables checkpointing).
-    - `keep`: how many recent checkpoints to keep.
-    - `dir`: checkpoint folder (default: `<run-dir>/checkpoints`).
-    """
+    """Orbax checkpoints."""
 
     every: int = 100
+    """steps between checkpoints (0 disables checkpointing)."""
     keep: int = 3
+    """how many recent checkpoints to keep."""
     dir: Path | None = None
+    """checkpoint folder (default: `<run-dir>/checkpoints`)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """eqx_diloco trainer: DiLoCo / Streaming DiLoCo / data-parallel training of a transformer LM.
-
-    **Arguments:**
-
-    - `algorithm`: `diloco` (Streaming DiLoCo when `--diloco.num-fragments` > 1) or `ddp`
-      (gradients averaged over all replicas every step).
-    - `run_dir`: where metrics.jsonl, config.json and checkpoints go.
-    """
+    """eqx_diloco trainer: DiLoCo / Streaming DiLoCo / data-parallel training of a transformer LM."""
 
     algorithm: Algorithm = "diloco"
+    """`diloco` (Streaming DiLoCo when `--diloco.num-fragments` > 1) or `ddp` (gradients averaged over all replicas every step)."""
     run_dir: Path = Path("runs/default")
+    """where metrics.jsonl, config.json and checkpoints go."""
     model: TransformerConfig = TransformerConfig()
     diloco: DiLoCoConfig = DiLoCoConfig()
     train: TrainConfig = TrainConfig()

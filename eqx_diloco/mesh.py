@@ -18,6 +18,8 @@ def ensure_cpu_devices(count: int) -> None:
     Must run before JAX creates its backends; afterwards the device count is fixed and
     `make_mesh` reports a clear error if it is too small.
     """
+    if jax.config.jax_num_cpu_devices >= count:
+        return
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:

@@ -207,6 +207,7 @@ class Trainer:
                     self.checkpointer.save(t, state, config)
             if pending is not None:
                 self._emit(pending, log, display, tokens_per_step, last_time, last_step)
+            self.state = state
         finally:
             self.checkpointer.wait()
             display.close()

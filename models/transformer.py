@@ -20,36 +20,32 @@ from ._norm import RMSNorm
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Shape of the model.
-
-    **Arguments:**
-
-    - `vocab_size`: number of token ids (256 for the byte-level tokenizer).
-    - `num_layers`: number of blocks in the stack.
-    - `dim`: width of the residual stream.
-    - `num_heads`: attention heads; must divide `dim`.
-    - `mlp_ratio`: hidden width of the feed-forward block as a multiple of `dim`.
-    - `tie_embeddings`: reuse the token embedding as the output head.
-    - `dropout`: dropout rate on each block's residual branches (0 disables it).
-    - `rope_base`: base of the rotary position embedding frequencies.
-    - `kind`: `dense` feed-forward blocks or `moe` (mixture of experts).
-    - `num_experts`: experts per MoE block (`kind=moe` only).
-    - `top_k`: experts each token is routed to (`kind=moe` only; 1 or 2).
-    - `aux_loss_weight`: weight of the MoE load-balancing loss in the training loss.
-    """
+    """Shape of the model."""
 
     vocab_size: int = 256
+    """number of token ids (256 for the byte-level tokenizer)."""
     num_layers: int = 6
+    """number of blocks in the stack."""
     dim: int = 128
+    """width of the residual stream."""
     num_heads: int = 4
+    """attention heads; must divide `dim`."""
     mlp_ratio: int = 4
+    """hidden width of the feed-forward block as a multiple of `dim`."""
     tie_embeddings: bool = False
+    """reuse the token embedding as the output head."""
     dropout: float = 0.0
+    """dropout rate on each block's residual branches (0 disables it)."""
     rope_base: float = 10000.0
+    """base of the rotary position embedding frequencies."""
     kind: Literal["dense", "moe"] = "dense"
+    """`dense` feed-forward blocks or `moe` (mixture of experts)."""
     num_experts: int = 4
+    """experts per MoE block (`kind=moe` only)."""
     top_k: int = 2
+    """experts each token is routed to (`kind=moe` only; 1 or 2)."""
     aux_loss_weight: float = 0.01
+    """weight of the MoE load-balancing loss in the training loss."""
 
     @property
     def head_dim(self) -> int:
@@ -177,8 +173,7 @@ class Transformer(eqx.Module):
     `blocks` is one `Block` whose array leaves carry a leading layer axis; the class
     attribute `layer_stack` names that field so that fragmenting code slices it without
     guessing from parameter names. `router_leaves` names, inside a block, the leaves that
-    belong to an MoE router (empty for dense models).
-    """
+    belong to an MoE router (empty for dense models)."""
 
     embed: Float[Array, "vocab dim"]
     blocks: Block

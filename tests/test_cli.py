@@ -1,0 +1,106 @@
+"""The command line: bad input gets a one-line error naming the flag; good input trains."""
+
+import subprocess
+import sys
+
+import pytest
+
+from eqx_diloco.train import main
+from util import read_metrics
+
+TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
+        "--train.batch-size", "4", "--data.source", "synthetic", "--checkpoint.every", "0"]
+
+BAD = [
+    (["--model.num-layers", "0"], "--model.num-layers must be >= 1"),
+    (["--train.batch-size", "-3"], "--train.batch-size must be >= 1"),
+    (["--train.steps", "0"], "--train.steps must be >= 1"),
+    (["--diloco.num-replicas", "0"], "--diloco.num-replicas must be >= 1"),
+    (["--model.dim", "100", "--model.num-heads", "3"], "--model.dim must be divisible by --model.num-heads"),
+    (["--train.batch-size", "3", "--mesh.data", "2"], "--train.batch-size must be divisible by --mesh.data"),
+    (["--data.source", "text", "--data.path", "/nonexistent/corpus"], "--data.path does not exist"),
+    (["--data.source", "tokens"], "--data.path is required with --data.source tokens"),
+    (["--diloco.num-fragments", "0"], "--diloco.num-fragments must be >= 1"),
+    (["--diloco.num-fragments", "4", "--model.num-layers", "4", "--diloco.sync-period", "8"],
+     "--model.num-layers must be divisible by --diloco.num-fragments - 1"),
+    (["--diloco.num-fragments", "3", "--model.num-layers", "4", "--diloco.sync-period", "10"],
+     "--diloco.sync-period must be divisible by --diloco.num-fragments"),
+    (["--diloco.num-fragments", "2", "--model.num-layers", "4", "--diloco.sync-period", "8",
+      "--diloco.overlap-steps", "4"], "--diloco.overlap-steps must be < sync-period / num-fragments"),
+    (["--diloco.overlap-steps", "-1"], "--diloco.overlap-steps must be >= 0"),
+    (["--diloco.alpha", "1.5"], "--diloco.alpha must be in [0, 1]"),
+    (["--diloco.alpha", "-0.1"], "--diloco.alpha must be in [0, 1]"),
+    (["--algorithm", "ddp", "--diloco.num-fragments", "2"], "--diloco.num-fragments applies to --algorithm diloco"),
+    (["--algorithm", "ddp", "--diloco.overlap-steps", "1"], "--diloco.overlap-steps applies to --algorithm diloco"),
+    (["--algorithm", "ddp", "--diloco.quantize", "int4"], "--diloco.quantize applies to --algorithm diloco"),
+    (["--diloco.outer-lr", "0"], "--diloco.outer-lr must be > 0"),
+    (["--diloco.outer-momentum", "1.0"], "--diloco.outer-momentum must be in [0, 1)"),
+    (["--diloco.error-feedback"], "--diloco.error-feedback needs a lossy --diloco.quantize"),
+    (["--train.seq-len", "100000"], "--train.seq-len is too long"),
+    (["--diloco.router-sync-period", "5"], "--diloco.router-sync-period needs --model.kind moe"),
+    (["--model.kind", "moe", "--model.top-k", "3"], "--model.top-k must be 1 or 2"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_error_naming_the_flag(tmp_path, capsys, args, message):
+    code = main([*TINY, "--run-dir", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1  # one line
+
+
+def test_empty_and_unreadable_paths(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert main([*TINY, "--run-dir", str(tmp_path), "--data.source", "text", "--data.path", str(empty)]) == 2
+    assert "--data.path holds no text" in capsys.readouterr().err
+    tokens = tmp_path / "empty.bin"
+    tokens.write_bytes(b"")
+    assert main([*TINY, "--run-dir", str(tmp_path), "--data.source", "tokens", "--data.path", str(tokens)]) == 2
+    assert "--data.path holds no tokens" in capsys.readouterr().err
+    big = tmp_path / "ids.bin"
+    big.write_bytes((1000).to_bytes(2, "little") * 10_000)
+    assert main([*TINY, "--run-dir", str(tmp_path), "--data.source", "tokens", "--data.path", str(big)]) == 2
+    assert "--model.vocab-size must exceed every token id" in capsys.readouterr().err
+
+
+def test_subprocess_error_has_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "eqx_diloco.train", "--model.dim", "100", "--model.num-heads", "3",
+         "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --model.dim must be divisible by --model.num-heads (got 100 and 3)"
+    ]
+
+
+def test_unknown_data_source_is_rejected_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, "--run-dir", str(tmp_path), "--data.source", "bogus"])
+    assert exit_info.value.code == 2
+
+
+def test_text_folder_trains_and_writes_metrics_and_config(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    (folder / "b.txt").write_text("pack my box with five dozen liquor jugs. " * 300)
+    run = tmp_path / "run"
+    args = [*TINY, "--run-dir", str(run), "--data.source", "text", "--data.path", str(folder),
+            "--diloco.num-replicas", "4", "--diloco.sync-period", "5", "--train.steps", "10", "--train.log-every", "5"]
+    assert main(args) == 0
+    lines = read_metrics(run)
+    train = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10]
+    for key in ("loss", "replica_losses", "lr", "tokens_per_s", "sent_bytes", "peak_sync_bytes",
+                "synced_fragment", "applied_fragment"):
+        assert key in train[0], key
+    assert len(train[0]["replica_losses"]) == 4
+    assert train[1]["sent_bytes"] == 2 * train[0]["sent_bytes"] == 2 * train[0]["peak_sync_bytes"]
+    assert [r["step"] for r in lines if "eval_loss" in r] == [10]
+    assert (run / "config.json").exists()

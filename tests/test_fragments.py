@@ -1,0 +1,113 @@
+"""Fragments partition every parameter exactly once; schedules follow the closed form."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_diloco import schedule
+from eqx_diloco.fragments import Fragmenter, layer_groups
+from models import Transformer, TransformerConfig
+
+CASES = [(L, P, pattern) for L in (1, 2, 3, 4, 6, 12) for P in range(1, L + 2) if P == 1 or L % (P - 1) == 0
+         for pattern in ("strided", "sequential")]
+
+
+def _model(num_layers):
+    config = TransformerConfig(num_layers=num_layers, dim=8, num_heads=2, mlp_ratio=1, vocab_size=11)
+    return Transformer(config, key=jax.random.key(num_layers))
+
+
+@pytest.mark.parametrize("L,P,pattern", CASES)
+def test_fragments_partition_every_parameter_exactly_once(L, P, pattern):
+    model = _model(L)
+    frag = Fragmenter(L, P, pattern)
+    counts = jax.tree.map(jnp.zeros_like, model)
+    rebuilt = jax.tree.map(jnp.zeros_like, model)
+    for p in range(P):
+        values = frag.get(model, p)
+        rebuilt = frag.put(rebuilt, p, values)
+        counts = frag.put(counts, p, [v + 1 for v in frag.get(counts, p)])
+    assert all(np.all(c == 1) for c in jax.tree.leaves(counts))
+    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(model)):
+        np.testing.assert_array_equal(a, b)
+    assert sum(frag.nbytes(model, p) for p in range(P)) == sum(x.nbytes for x in jax.tree.leaves(model))
+
+
+@pytest.mark.parametrize("L,P,pattern", CASES)
+def test_layer_sets_are_the_documented_ones(L, P, pattern):
+    groups = layer_groups(L, P, pattern)
+    assert len(groups) == P - 1
+    for f in range(1, P):
+        if pattern == "strided":
+            expected = list(range(f - 1, L, P - 1))
+        else:
+            size = L // (P - 1)
+            expected = list(range((f - 1) * size, f * size))
+        assert Fragmenter(L, P, pattern).layers(f).tolist() == expected
+    if P > 1:
+        assert Fragmenter(L, P, pattern).layers(0) is None
+
+
+def test_fragments_work_on_abstract_values_tracers_and_replica_axis():
+    L, P, R = 6, 4, 3
+    model = _model(L)
+    frag = Fragmenter(L, P, "strided")
+    stacked = jax.tree.map(lambda x: jnp.stack([x + r for r in range(R)]), model)
+    abstract = eqx.filter_eval_shape(lambda: stacked)
+    for p in range(P):
+        concrete = frag.get(stacked, p, layer_axis=1)
+        shapes = [v.shape for v in frag.get(abstract, p, layer_axis=1)]
+        assert shapes == [v.shape for v in concrete]
+        traced = jax.jit(lambda t, p=p: frag.get(t, p, layer_axis=1))(stacked)
+        for a, b in zip(traced, concrete):
+            np.testing.assert_array_equal(a, b)
+        # Replica r's slice equals the fragment of replica r alone.
+        single = frag.get(jax.tree.map(lambda x: x[1], stacked), p)
+        for a, b in zip(concrete, single):
+            np.testing.assert_array_equal(a[1], b)
+    layer_leaf = frag.get(stacked, 2, layer_axis=1)[0]
+    assert layer_leaf.shape[:2] == (R, 2)  # layers 1 and 4
+    np.testing.assert_array_equal(layer_leaf[0, 1], stacked.blocks.attn_norm.weight[0, 4])
+    # put through a tracer keeps everything else
+    zeroed = jax.jit(lambda t: frag.put(t, 1, [jnp.zeros_like(v) for v in frag.get(t, 1, layer_axis=1)],
+                                        layer_axis=1))(stacked)
+    assert float(jnp.abs(zeroed.blocks.attn.qkv[:, 0]).max()) == 0.0
+    assert float(jnp.abs(zeroed.blocks.attn.qkv[:, 1]).max()) > 0.0
+    np.testing.assert_array_equal(zeroed.embed, stacked.embed)
+
+
+def test_fragment_zero_is_everything_outside_the_stack():
+    model = _model(4)
+    values = Fragmenter(4, 3).get(model, 0)
+    outside = [model.embed, model.final_norm.weight, model.head]
+    assert len(values) == len(outside)
+    for a, b in zip(values, outside):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("H,P,tau", [(1, 1, 0), (5, 1, 0), (8, 4, 1), (12, 3, 3), (100, 4, 10), (6, 6, 0)])
+def test_schedule_matches_closed_form(H, P, tau):
+    T = 5 * H
+    for p in range(P):
+        steps = [t for t in range(1, T + 1) if schedule.synced_fragment(t, H, P) == p]
+        assert steps == [(p + 1) * H // P + k * H for k in range(T) if (p + 1) * H // P + k * H <= T]
+        assert steps == schedule.sync_steps(p, H, P, T)
+        applied = [t for t in range(1, T + 1) if schedule.applied_fragment(t, H, P, tau) == p]
+        assert applied == [t + tau for t in steps if t + tau <= T]
+    # exactly one fragment leaves every H / P steps
+    events = [t for t in range(1, T + 1) if schedule.synced_fragment(t, H, P) is not None]
+    assert events == list(range(H // P, T + 1, H // P))
+
+
+def test_router_schedule():
+    assert [t for t in range(13) if schedule.router_synced(t, 4)] == [4, 8, 12]
+    assert not any(schedule.router_synced(t, 0) for t in range(13))
+
+
+def test_fragmenter_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="divisible"):
+        Fragmenter(5, 3)
+    with pytest.raises(ValueError, match="fragment must be in"):
+        Fragmenter(4, 3).get(_model(4), 3)
