@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array
@@ -55,8 +56,19 @@ class FragmentGroup:
 
 
 def sync_nbytes(shapes: list[tuple[int, ...]], fmt: str) -> int:
-    """Bytes one replica puts on the wire for one sync of leaves of these shapes."""
-    return sum(quantize.payload_nbytes(tuple(s), fmt) for s in shapes)
+    """Bytes one replica puts on the wire for one sync of leaves of these shapes.
+
+    Quantized groups are sent as one flat payload (see `mean_outer_gradient`).
+    """
+    if fmt == "none":
+        return sum(quantize.payload_nbytes(tuple(s), fmt) for s in shapes)
+    return quantize.payload_nbytes((sum(int(np.prod(s)) for s in shapes),), fmt)
+
+
+def _split(flat: Array, like: list[Array]) -> list[Array]:
+    """Cut a flat vector back into pieces with the sizes of `like` (flattened)."""
+    offsets = np.cumsum([x.size for x in like])[:-1]
+    return jnp.split(flat, offsets)
 
 
 def _all_finite(values: list[Array]) -> Array:
@@ -86,16 +98,18 @@ def mean_outer_gradient(
             totals = [jax.lax.psum(jnp.where(weight > 0, d, jnp.zeros_like(d)), "diloco") for d in deltas]
             new_residuals = None
         else:
-            payloads = [quantize.encode(d, fmt) for d in deltas]
-            decoded_own = [quantize.decode(p, fmt, d.shape) for p, d in zip(payloads, deltas)]
-            new_residuals = [(d - q)[None] for d, q in zip(deltas, decoded_own)] if error_feedback else None
+            # All leaves of the group travel as one flat vector: one payload, one padded tail.
+            flat = jnp.concatenate([d.ravel() for d in deltas])
+            payload = quantize.encode(flat, fmt)
+            new_residuals = None
+            if error_feedback:
+                residual = flat - quantize.decode(payload, fmt, flat.shape)
+                new_residuals = [r.reshape(d.shape)[None] for r, d in zip(_split(residual, deltas), deltas)]
+            gathered = jax.lax.all_gather(payload, "diloco", to="invarying")
+            decoded = quantize.decode(gathered, fmt, flat.shape)  # (R, n)
             weights = jax.lax.all_gather(weight, "diloco", to="invarying")
-            totals = []
-            for payload, d in zip(payloads, deltas):
-                gathered = jax.lax.all_gather(payload, "diloco", to="invarying")
-                decoded = jax.vmap(lambda p: quantize.decode(p, fmt, d.shape))(gathered)
-                mask = weights.reshape((-1,) + (1,) * d.ndim) > 0
-                totals.append(jnp.sum(jnp.where(mask, decoded, jnp.zeros_like(decoded)), axis=0))
+            total = jnp.sum(jnp.where(weights[:, None] > 0, decoded, jnp.zeros_like(decoded)), axis=0)
+            totals = [t.reshape(d.shape) for t, d in zip(_split(total, deltas), deltas)]
         count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
         return [t / count for t in totals], finite[None], new_residuals
 

@@ -177,8 +177,10 @@ class Trainer:
         peak = max([self.sent_bytes_at(s) for s in range(1, start + 1)], default=0)
         tokens_per_step = config.diloco.num_replicas * t_cfg.batch_size * t_cfg.seq_len
         pending = None  # step t's device-side metrics, read after step t+1 is dispatched
-        last_time, last_step = time.perf_counter(), start
         eval_loss_value = None
+        if start == 0 and t_cfg.eval_every:  # the starting point, so the curve shows the fall
+            eval_loss_value = self._evaluate(state, 0, log, display if show else None)
+        last_time, last_step = time.perf_counter(), start
         try:
             for step in range(start, t_cfg.steps):
                 t = step + 1
@@ -198,10 +200,7 @@ class Trainer:
                 if eval_due:
                     last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
                     pending = None
-                    eval_loss_value = float(eval_loss(global_model(state), self.eval_tokens))
-                    log.write({"step": t, "eval_loss": eval_loss_value})
-                    if show:
-                        display.log(f"step {t:>6}  eval_loss {eval_loss_value:.4f}")
+                    eval_loss_value = self._evaluate(state, t, log, display if show else None)
                     last_time = time.perf_counter()  # do not charge the evaluation to training throughput
                 if self.checkpointer.due(t) or t == t_cfg.steps:
                     self.checkpointer.save(t, state, config)
@@ -219,6 +218,13 @@ class Trainer:
             "sent_bytes": sent,
             "peak_sync_bytes": peak,
         }
+
+    def _evaluate(self, state: TrainState, t: int, log: MetricsLog, display: ProgressDisplay | None) -> float:
+        value = float(eval_loss(global_model(state), self.eval_tokens))
+        log.write({"step": t, "eval_loss": value})
+        if display is not None:
+            display.log(f"step {t:>6}  eval_loss {value:.4f}")
+        return value
 
     def _emit(self, pending, log, display, tokens_per_step, last_time, last_step):
         """Read step t's metrics (already computed), check them, log them. Returns the new timer."""

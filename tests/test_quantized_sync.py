@@ -1,0 +1,74 @@
+"""Quantized outer gradients inside the sync: bytes on the wire, lossless equivalence, error feedback."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_diloco import Trainer, quantize
+from util import read_metrics, train_losses
+
+
+def _sent_bytes(make_config, fmt, **diloco):
+    config = make_config(model=dict(dim=64, num_heads=2, num_layers=2), diloco=dict(quantize=fmt, **diloco),
+                         train=dict(steps=4, log_every=4))
+    config = dataclasses.replace(config, run_dir=config.run_dir.parent / fmt)
+    Trainer(config, verbose=False).run()
+    return [r for r in read_metrics(config.run_dir) if "loss" in r][-1]["sent_bytes"]
+
+
+def test_sent_bytes_ratios_from_metrics(make_config):
+    full = _sent_bytes(make_config, "none")
+    ratios = {fmt: _sent_bytes(make_config, fmt) / full for fmt in ("bf16", "fp8", "int8", "int4", "e3m0")}
+    assert ratios["bf16"] == 0.5
+    assert 0.25 <= ratios["fp8"] <= 0.26 and 0.25 <= ratios["int8"] <= 0.26
+    assert ratios["int4"] <= 0.14 and ratios["e3m0"] <= 0.14
+
+
+def test_lossless_payload_exchange_equals_psum_in_training(make_config, monkeypatch):
+    """Force format `none` through the all_gather payload path: same run as the psum path."""
+    import eqx_diloco.outer as outer
+
+    psum = make_config(diloco=dict(num_replicas=4, sync_period=2), train=dict(steps=6))
+    Trainer(psum, verbose=False).run()
+    original = outer.mean_outer_gradient
+    monkeypatch.setattr(outer, "mean_outer_gradient", lambda *a, **kw: original(*a, **{**kw, "gather": True}))
+    gathered = dataclasses.replace(psum, run_dir=psum.run_dir.parent / "gathered")
+    trainer = Trainer(gathered, verbose=False)
+    trainer.run()
+    np.testing.assert_allclose(train_losses(psum.run_dir), train_losses(gathered.run_dir), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "e3m0"])
+def test_quantized_training_tracks_float32_and_keeps_replicas_in_step(make_config, fmt):
+    base = make_config(diloco=dict(num_replicas=2, sync_period=2), train=dict(steps=8))
+    Trainer(base, verbose=False).run()
+    config = dataclasses.replace(base, run_dir=base.run_dir.parent / fmt,
+                                 diloco=dataclasses.replace(base.diloco, quantize=fmt))
+    trainer = Trainer(config, verbose=False)
+    trainer.run()
+    a, b = train_losses(base.run_dir), train_losses(config.run_dir)
+    assert a[:2] == b[:2]  # identical before the first sync takes effect
+    np.testing.assert_allclose(a, b, rtol=0.05)
+    assert a != b
+    for leaf in jax.tree.leaves(trainer.state.params):
+        np.testing.assert_array_equal(leaf[0], leaf[1])  # replicas replaced by the same global values
+
+
+def test_error_feedback_keeps_the_quantization_residual(make_config):
+    config = make_config(diloco=dict(num_replicas=2, sync_period=3, quantize="int4", error_feedback=True))
+    trainer = Trainer(config, verbose=False)
+    state, _ = trainer.initial_state()
+    for step in range(3):
+        state, _ = trainer.inner_step(state, jax.device_put(trainer.batches.batch(step), trainer.batch_sharding))
+    g = trainer.fragmenter.get(jax.device_get(state.global_params), 0)
+    r = trainer.fragmenter.get(jax.device_get(state.params), 0, layer_axis=1)
+    state, _ = trainer.outer.sync(state, 0)
+    for replica in range(2):
+        flat = jnp.concatenate([(gv - rv[replica]).ravel() for gv, rv in zip(g, r)])
+        expected = flat - quantize.decode(quantize.encode(flat, "int4"), "int4", flat.shape)
+        got = jnp.concatenate([e[replica].ravel() for e in jax.device_get(state.residuals[0])])
+        np.testing.assert_allclose(got, expected, atol=1e-7)
+        assert float(jnp.abs(got).max()) > 0
