@@ -1,31 +1,49 @@
-"""Orbax checkpoints of the whole train state, with auto-resume.
+"""Orbax checkpoints of the whole train state, with auto-resume and fault handling.
 
-A checkpoint holds every leaf of the `TrainState` (replica params, per-replica inner
-optimizer states, global params, outer optimizer states, error-feedback residuals, PRNG
-keys, step) and, as JSON, the resolved config. The data position needs no saving: the
-batch of step t is a function of (seed, replica, t). In-flight fragment syncs need none
-either: a sync writes its result into the global params at once, and the merge tau steps
-later is a function of the step.
+A checkpoint (one folder per step) holds three items:
 
-Saving is asynchronous (orbax writes in a background thread after copying the arrays
-off the devices). Orbax writes each checkpoint into a temporary folder and renames it
-only when complete, so a process killed mid-save leaves no checkpoint that looks valid;
-a checkpoint that fails to restore (corrupt files) is reported and the previous one used.
+- `state`: every array leaf of the `TrainState` (replica params, per-replica inner optimizer
+  states, global params, outer optimizer states, quantization residuals, per-replica PRNG
+  key data, step), keyed by leaf index;
+- `config`: the resolved config, as JSON;
+- `meta`: the step, each leaf's path, shape and dtype, and a checksum of each leaf.
+
+The data position needs no saving: the batch of step t is a function of (seed, replica, t).
+An in-flight fragment sync needs none either as long as its result is in the state: a sync
+writes the new global values into `global_params` at once, and the merge tau steps later is
+a function of the step. (A trainer that keeps a launched sync outside the state must
+install it before saving.)
+
+Saving is asynchronous: `save` returns once the arrays are copied to host memory; orbax
+writes them in a background thread. Orbax writes each checkpoint into a temporary folder
+and renames it when complete, so a process killed mid-save leaves nothing that looks like
+a checkpoint (leftover temporary folders are deleted on the next start). On restore, a
+checkpoint that fails to load, or whose arrays do not match the checksums written with
+them, is reported, moved aside as `<step>.corrupt`, and the previous one is used.
 """
 
 import dataclasses
+import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
+from . import schedule
 from .config import Config, ConfigError
 from .metrics import to_jsonable
 
+PyTree = Any
+
+FORMAT = 1  # bump when the layout of `meta` or of the state keys changes
+
 # Config fields that change the shape or meaning of the saved state. Anything else
-# (steps, logging, evaluation, learning rate, checkpoint cadence) may change on resume.
+# (steps, logging, evaluation, learning rate, data, mesh) may change on resume.
 _STATE_DEFINING = {
     "algorithm": "--algorithm",
     "model": "--model",
@@ -38,39 +56,154 @@ _STATE_DEFINING = {
 }
 
 
+class CheckpointError(ConfigError):
+    """Checkpoints exist but none of them can be restored (reported like a config error)."""
+
+
 def _lookup(tree: dict, dotted: str) -> Any:
     for part in dotted.split("."):
         tree = tree[part]
     return tree
 
 
-def incompatibility(saved: dict, current: Config) -> str | None:
-    """A one-line description of why a checkpoint written with `saved` can't resume `current`."""
+def _flag(prefix: str, key: str) -> str:
+    return f"{prefix}.{key.replace('_', '-')}"
+
+
+def _in_flight(step: int, sync_period: int, num_fragments: int, overlap_steps: int) -> list[tuple[int, int]]:
+    """(fragment, sync step) of every sync whose merge is still due after step `step`."""
+    out = []
+    for s in range(max(1, step - overlap_steps + 1), step + 1):
+        p = schedule.synced_fragment(s, sync_period, num_fragments)
+        if p is not None and s + overlap_steps > step:
+            out.append((p, s))
+    return out
+
+
+def incompatibility(saved: dict, current: Config, step: int | None = None) -> str | None:
+    """A one-line reason why a checkpoint written with config `saved` can't resume `current`.
+
+    `step` (the checkpoint's step) enables the check that the sync schedule is not changed
+    while a fragment's sync is in flight.
+    """
     now = to_jsonable(current)
     for dotted, flag in _STATE_DEFINING.items():
         old, new = _lookup(saved, dotted), _lookup(now, dotted)
         if old != new:
             if isinstance(old, dict):
-                diffs = [f"{flag}.{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in old if old.get(k) != new.get(k)]
+                diffs = [f"{_flag(flag, k)} {old.get(k)} -> {new.get(k)}" for k in {**old, **new}
+                         if old.get(k) != new.get(k)]
                 return "checkpoint is incompatible with this config: " + ", ".join(diffs)
             return f"checkpoint is incompatible with this config: {flag} {old} -> {new}"
+    if now["algorithm"] != "diloco":
+        return None
+    old_d, new_d = saved["diloco"], now["diloco"]
+    if (old_d["outer_momentum"] == 0) != (new_d["outer_momentum"] == 0):
+        return (
+            "checkpoint is incompatible with this config: --diloco.outer-momentum "
+            f"{old_d['outer_momentum']} -> {new_d['outer_momentum']} (turning momentum on or off changes the "
+            "outer optimizer state)"
+        )
+    changed = [k for k in ("sync_period", "overlap_steps") if old_d[k] != new_d[k]]
+    if changed and step is not None:
+        P = new_d["num_fragments"]
+        before = _in_flight(step, old_d["sync_period"], P, old_d["overlap_steps"])
+        after = _in_flight(step, new_d["sync_period"], P, new_d["overlap_steps"])
+        if before != after:
+            p, s = (before or after)[0]
+            diffs = ", ".join(f"{_flag('--diloco', k)} {old_d[k]} -> {new_d[k]}" for k in changed)
+            return (
+                f"checkpoint is incompatible with this config: {diffs} while the sync of fragment {p} "
+                f"(step {s}) is in flight at checkpoint step {step}; resume with the old schedule past step "
+                f"{step + max(old_d['overlap_steps'], new_d['overlap_steps'])} first"
+            )
     return None
+
+
+def config_from_dict(data: dict, cls: type = Config) -> Any:
+    """Rebuild a config dataclass from its JSON form (`metrics.to_jsonable`); unknown keys are ignored."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in data:
+            continue
+        value, hint = data[field.name], hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            value = config_from_dict(value, hint)
+        elif value is not None and Path in (typing.get_args(hint) or (hint,)):
+            value = Path(value)
+        kwargs[field.name] = value
+    return cls(**kwargs)
+
+
+# -- checksums ---------------------------------------------------------------------------
+
+_GOLDEN = np.uint32(0x9E3779B1)
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """A position-weighted wrapping uint32 sum of the leaf's bits (order independent of sharding)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    width = x.dtype.itemsize
+    if width == 8:
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32)  # trailing axis of 2
+    else:
+        u = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[width]).astype(jnp.uint32)
+    u = u.reshape(-1)
+    weights = jnp.arange(u.size, dtype=jnp.uint32) * _GOLDEN + np.uint32(1)  # odd: every change shows
+    return jnp.sum(u * weights, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(leaves: list[jax.Array]) -> jax.Array:
+    if not leaves:
+        return jnp.zeros((0,), jnp.uint32)
+    return jnp.stack([_leaf_checksum(x) for x in leaves])
+
+
+def checksums(tree: PyTree) -> list[int]:
+    """One uint32 checksum per array leaf of `tree` (computed where the arrays live)."""
+    return [int(c) for c in np.asarray(jax.device_get(_checksums(jax.tree.leaves(tree))))]
+
+
+def _leaf_paths(tree: PyTree) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _layout(leaves) -> list[list]:
+    return [[list(x.shape), str(np.dtype(x.dtype))] for x in leaves]
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 @dataclasses.dataclass
 class Checkpointer:
-    """Saves every `every` steps (keeping `keep`) into `directory`, and restores the latest.
+    """Saves every `every` steps (keeping the newest `keep`) into `directory`; restores the latest.
 
     **Arguments:**
 
-    - `directory`: the checkpoint folder.
-    - `every`: steps between saves (0 = never, except that nothing is saved then at all).
+    - `directory`: the checkpoint folder (one sub-folder per step).
+    - `every`: steps between saves (0 = never save).
     - `keep`: how many checkpoints to keep.
+    - `read_only`: only read (for export while a run may still be writing): nothing is
+      deleted, moved or created.
     """
 
     directory: Path
     every: int
     keep: int
+    read_only: bool = False
 
     def __post_init__(self):
         self.directory = Path(self.directory).absolute()
@@ -80,62 +213,173 @@ class Checkpointer:
     def manager(self) -> ocp.CheckpointManager:
         if self._manager is None:
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.keep, enable_async_checkpointing=True, create=True
+                max_to_keep=self.keep,
+                enable_async_checkpointing=not self.read_only,
+                create=not self.read_only,
+                cleanup_tmp_directories=not self.read_only,  # folders of saves cut short by a kill
+                read_only=self.read_only,
             )
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            self._manager = ocp.CheckpointManager(
+                self.directory, item_names=("state", "config", "meta"), options=options
+            )
         return self._manager
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, state, config: Config) -> None:
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, newest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(self.manager.all_steps(read=True), reverse=True)
+
+    # -- save -----------------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, config: Config) -> None:
         """Start an asynchronous save of `state` at `step` (returns once arrays are copied)."""
-        if self.every <= 0:
+        if self.every <= 0 or self.read_only:
             return
-        leaves = {str(i): x for i, x in enumerate(jax.tree.leaves(state))}
-        self.manager.save(
+        leaves = jax.tree.leaves(state)
+        meta = {
+            "format": FORMAT,
+            "step": int(step),
+            "paths": _leaf_paths(state),
+            "layout": _layout(leaves),
+            "checksums": checksums(leaves),
+        }
+        saved = self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(leaves), config=ocp.args.JsonSave(to_jsonable(config))
+                state=ocp.args.StandardSave({str(i): x for i, x in enumerate(leaves)}),
+                config=ocp.args.JsonSave(to_jsonable(config)),
+                meta=ocp.args.JsonSave(meta),
             ),
         )
+        if not saved:
+            _warn(f"checkpoint {step} was not written: {self.directory} already holds step "
+                  f"{self.manager.latest_step()}")
 
-    def restore_latest(self, abstract_state, shardings, config: Config):
-        """(state, step) from the newest checkpoint that restores, or None if there is none.
+    # -- restore --------------------------------------------------------------------------
 
-        Raises `ConfigError` if the newest checkpoint was written by an incompatible config.
-        """
-        if not self.directory.exists():
-            return None
-        steps = sorted(self.manager.all_steps(), reverse=True)
+    def read_json(self, step: int) -> tuple[dict, dict]:
+        """(config, meta) JSON items of checkpoint `step`."""
+        items = self.manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        )
+        config, meta = items["config"], items["meta"]
+        if not isinstance(config, dict) or not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError("config or meta item is missing or of another format")
+        return config, meta
+
+    def latest_config(self) -> tuple[int, dict] | None:
+        """(step, config JSON) of the newest checkpoint whose JSON items read, or None."""
+        for step in self.steps():
+            try:
+                return step, self.read_json(step)[0]
+            except Exception:  # noqa: BLE001 - unreadable: try the previous one
+                continue
+        return None
+
+    def _restore_step(self, step: int, abstract_state: PyTree, shardings: PyTree, meta: dict) -> PyTree:
         leaves, treedef = jax.tree.flatten(abstract_state)
+        layout = _layout(leaves)
+        if meta["layout"] != layout:
+            paths = _leaf_paths(abstract_state)
+            if len(meta["layout"]) != len(layout):
+                raise ConfigError(
+                    f"checkpoint is incompatible with this config: it holds {len(meta['layout'])} state arrays, "
+                    f"this config makes {len(layout)} (an optimizer setting that shapes the state changed)"
+                )
+            i = next(i for i, (a, b) in enumerate(zip(meta["layout"], layout)) if a != b)
+            raise ConfigError(
+                f"checkpoint is incompatible with this config: state{paths[i]} was saved as "
+                f"{meta['layout'][i][1]}{meta['layout'][i][0]}, this config makes {layout[i][1]}{layout[i][0]}"
+            )
         targets = {
             str(i): jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
             for i, (x, s) in enumerate(zip(leaves, jax.tree.leaves(shardings)))
         }
-        for step in steps:
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(targets)))
+        restored = restored["state"]
+        values = [restored[str(i)] for i in range(len(leaves))]
+        for i, (value, target) in enumerate(zip(values, targets.values())):
+            if value.shape != target.shape or value.dtype != target.dtype:
+                raise ValueError(f"array {meta['paths'][i]} came back as {value.dtype}{value.shape}")
+        got = checksums(values)
+        for i, (a, b) in enumerate(zip(got, meta["checksums"])):
+            if a != b:
+                raise ValueError(f"checksum mismatch in state{meta['paths'][i]}")
+        return jax.tree.unflatten(treedef, values)
+
+    def restore_latest(self, abstract_state: PyTree, shardings: PyTree, config: Config, *, step: int | None = None):
+        """(state, step) from the newest checkpoint that restores intact, or None if there is none.
+
+        Every array is placed on its sharding from `shardings` (a tree like `abstract_state`).
+        A checkpoint that can't be read or fails its checksums is reported and skipped; once an
+        older one restores, the skipped ones are moved aside to `<step>.corrupt` (so the run
+        can write those steps again). `step` restores that checkpoint only.
+
+        Raises `ConfigError` if the newest readable checkpoint was written by an incompatible
+        config, and `CheckpointError` if checkpoints exist but none restores.
+        """
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (found {sorted(steps)})")
+            steps = [step]
+        if not steps:
+            return None
+        corrupt: list[tuple[int, str]] = []
+        for s in steps:
             try:
-                saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
-                    "config"
-                ]
+                saved_config, meta = self.read_json(s)
             except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-                print(f"warning: checkpoint {step} in {self.directory} is unreadable ({e!r}); trying an older one",
-                      file=sys.stderr)
+                corrupt.append((s, _first_line(e)))
+                self._report(s, corrupt[-1][1])
                 continue
-            problem = incompatibility(saved_config, config)
+            problem = incompatibility(saved_config, config, s)
             if problem is not None:
-                raise ConfigError(f"{problem} (checkpoint step {step} in {self.directory})")
+                raise ConfigError(f"{problem} (checkpoint step {s} in {self.directory})")
             try:
-                restored = self.manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(targets))
-                )["state"]
+                state = self._restore_step(s, abstract_state, shardings, meta)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (checkpoint step {s} in {self.directory})") from None
             except Exception as e:  # noqa: BLE001
-                print(f"warning: checkpoint {step} in {self.directory} is corrupt ({type(e).__name__}: {e}); "
-                      f"trying an older one", file=sys.stderr)
+                corrupt.append((s, _first_line(e)))
+                self._report(s, corrupt[-1][1])
                 continue
-            state = jax.tree.unflatten(treedef, [restored[str(i)] for i in range(len(leaves))])
-            return state, step
-        return None
+            if corrupt and not self.read_only:
+                self._move_aside([c for c, _ in corrupt])
+            if corrupt:
+                _warn(f"resuming from checkpoint {s} in {self.directory}")
+            return state, s
+        newest, reason = corrupt[0]
+        raise CheckpointError(
+            f"none of the {len(steps)} checkpoints in {self.directory} can be restored (step {newest}: {reason}); "
+            f"move that folder away to start over"
+        )
+
+    def _report(self, step: int, reason: str) -> None:
+        _warn(f"checkpoint {step} in {self.directory} is corrupt or incomplete ({reason}); trying an older one")
+
+    def _move_aside(self, steps: list[int]) -> None:
+        self.close()
+        if jax.process_index() == 0:
+            for s in steps:
+                source = self.directory / str(s)
+                target = self.directory / f"{s}.corrupt"
+                n = 1
+                while target.exists():
+                    target, n = self.directory / f"{s}.corrupt-{n}", n + 1
+                if source.exists():
+                    source.rename(target)
+                    _warn(f"moved corrupt checkpoint {s} to {target}")
+        if jax.process_count() > 1:
+            from orbax.checkpoint import multihost
+
+            multihost.sync_global_processes("eqx_diloco_move_corrupt_checkpoints")
+
+    # -- lifecycle ------------------------------------------------------------------------
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are complete."""
@@ -146,3 +390,14 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
+
+
+def read_run_config(run_dir: Path) -> Config:
+    """The config a run was started with (`<run_dir>/config.json`)."""
+    path = Path(run_dir) / "config.json"
+    try:
+        return config_from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ConfigError(f"{run_dir} is not a run folder: {path} does not exist") from None
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise ConfigError(f"{path} is not a valid config ({_first_line(e)})") from None

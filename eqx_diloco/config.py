@@ -42,6 +42,8 @@ class DiLoCoConfig:
     """keep each replica's quantization residual and add it to its next outer gradient of the same fragment."""
     router_sync_period: int = 0
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
+    comm_device: Literal["auto", "on", "off"] = "auto"
+    """with overlap (tau > 0), run each sync on a separate communication device per replica so it really overlaps compute: `auto` = on for CPU, `off` = dispatch it on the compute devices (correct everywhere)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,20 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs on JAX's multi-controller runtime (one or more processes per island)."""
+
+    coordinator_address: str | None = None
+    """host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS; unset = single process)."""
+    num_processes: int | None = None
+    """number of processes (default: $JAX_NUM_PROCESSES, else 1)."""
+    process_id: int | None = None
+    """this process's index (default: $JAX_PROCESS_ID)."""
+    heartbeat_timeout_s: int = 30
+    """seconds without a heartbeat after which the other processes give up on a dead one."""
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints."""
 
@@ -128,6 +144,7 @@ class Config:
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    dist: DistributedConfig = DistributedConfig()
 
 
 def _require(condition: bool, message: str) -> None:
@@ -194,6 +211,16 @@ def validate(config: Config) -> None:
     if data.source in ("text", "tokens"):
         _require(data.path is not None, f"--data.path is required with --data.source {data.source}")
         _require(data.path.exists(), f"--data.path does not exist: {data.path}")
+
+    nproc = config.dist.num_processes
+    if nproc is not None:
+        _require(nproc >= 1, f"--dist.num-processes must be >= 1 (got {nproc})")
+        _require(
+            d.num_replicas % nproc == 0,
+            f"--diloco.num-replicas must be divisible by --dist.num-processes (got {d.num_replicas} and {nproc})",
+        )
+        pid = config.dist.process_id
+        _require(pid is None or 0 <= pid < nproc, f"--dist.process-id must be in [0, {nproc}) (got {pid})")
 
     if config.algorithm == "ddp":
         streaming = {

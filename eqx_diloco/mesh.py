@@ -1,4 +1,14 @@
-"""Devices and the ("diloco", "data") mesh."""
+"""Devices, processes and the ("diloco", "data") meshes.
+
+Replica r owns `--mesh.data` compute devices (row r of the compute mesh) and, when syncs
+overlap compute, one extra *communication device* (row r of the communication mesh). On
+CPU hosts a collective inside the compute program, or a second program on the same
+device, blocks compute; a program on a second local device runs beside it. All devices
+of a replica live in one process, so moving data between its compute and communication
+devices is a local copy.
+"""
+
+import os
 
 import jax
 import numpy as np
@@ -6,38 +16,87 @@ from jax.sharding import AxisType, Mesh
 
 from .config import Config, ConfigError
 
+AXES = ("diloco", "data")
+
+
+def process_layout(config: Config) -> tuple[str | None, int, int]:
+    """(coordinator address, process count, process id) from flags, else JAX's environment variables."""
+    dist = config.dist
+    coordinator = dist.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = dist.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+    process_id = dist.process_id if dist.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "0"))
+    return coordinator, num_processes, process_id
+
+
+def wants_comm_device(config: Config) -> bool:
+    """Whether syncs run on separate communication devices (only with overlap, tau > 0)."""
+    d = config.diloco
+    return config.algorithm == "diloco" and d.overlap_steps > 0 and d.comm_device != "off"
+
 
 def devices_needed(config: Config) -> int:
-    """One device per replica on `diloco`, times `--mesh.data` devices per replica."""
-    return config.diloco.num_replicas * config.mesh.data
+    """Devices per process: `--mesh.data` per local replica, plus one per replica for communication."""
+    _, num_processes, _ = process_layout(config)
+    local_replicas = config.diloco.num_replicas // num_processes
+    return local_replicas * (config.mesh.data + int(wants_comm_device(config)))
 
 
 def ensure_cpu_devices(count: int) -> None:
     """On a CPU-only machine, ask XLA for `count` simulated CPU devices.
 
     Must run before JAX creates its backends; afterwards the device count is fixed and
-    `make_mesh` reports a clear error if it is too small.
+    `make_meshes` reports a clear error if it is too small.
     """
     if jax.config.jax_num_cpu_devices >= count:
         return
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:
-        pass  # backends already exist (tests, notebooks); make_mesh checks the count
+        pass  # backends already exist (tests, notebooks); make_meshes checks the count
 
 
-def make_mesh(config: Config) -> Mesh:
-    """The ("diloco", "data") mesh: one row of `--mesh.data` devices per replica.
+def setup_devices(config: Config) -> None:
+    """Set the local device count and, for several processes, join the distributed runtime."""
+    coordinator, num_processes, process_id = process_layout(config)
+    ensure_cpu_devices(devices_needed(config))
+    if num_processes > 1:
+        if coordinator is None:
+            raise ConfigError("--dist.coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required with several processes")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            heartbeat_timeout_seconds=config.dist.heartbeat_timeout_s,
+            initialization_timeout=120,
+        )
+
+
+def make_meshes(config: Config) -> tuple[Mesh, Mesh | None]:
+    """The compute mesh (R, data) and, with overlap on CPU, the communication mesh (R, 1).
 
     Axis types are Auto so jit propagates shardings (shard_map then accepts inputs that are
     not already laid out on the mesh).
     """
     R, D = config.diloco.num_replicas, config.mesh.data
-    devices = jax.devices()
-    if len(devices) < R * D:
-        raise ConfigError(
-            f"--diloco.num-replicas x --mesh.data needs {R * D} devices, found {len(devices)} "
-            f"({devices[0].platform}); on CPU set jax_num_cpu_devices before JAX starts"
-        )
-    grid = np.asarray(devices[: R * D]).reshape(R, D)
-    return Mesh(grid, ("diloco", "data"), axis_types=(AxisType.Auto, AxisType.Auto))
+    num_processes = jax.process_count()
+    if R % num_processes:
+        raise ConfigError(f"--diloco.num-replicas must be divisible by the process count (got {R} and {num_processes})")
+    local_replicas = R // num_processes
+    comm = wants_comm_device(config) and (config.diloco.comm_device == "on" or jax.default_backend() == "cpu")
+    per_process = local_replicas * (D + int(comm))
+    compute_rows, comm_rows = [], []
+    for p in range(num_processes):
+        devices = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        if len(devices) < per_process:
+            raise ConfigError(
+                f"--diloco.num-replicas x (--mesh.data{' + 1 communication device' if comm else ''}) needs "
+                f"{per_process} devices per process, process {p} has {len(devices)} ({devices[0].platform}); "
+                f"on CPU set jax_num_cpu_devices before JAX starts"
+            )
+        compute_rows.append(np.asarray(devices[: local_replicas * D]).reshape(local_replicas, D))
+        comm_rows.append(np.asarray(devices[local_replicas * D : per_process]).reshape(local_replicas, int(comm)))
+    auto = (AxisType.Auto, AxisType.Auto)
+    mesh = Mesh(np.concatenate(compute_rows), AXES, axis_types=auto)
+    comm_mesh = Mesh(np.concatenate(comm_rows), AXES, axis_types=auto) if comm else None
+    return mesh, comm_mesh

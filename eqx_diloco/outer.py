@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array
 
 from . import quantize
@@ -129,13 +129,43 @@ def _then_merge(sync, merge):
     return sync_and_merge
 
 
+def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
+    """Copy arrays sharded P() or P("diloco") on `src` to the same spec on `dst`.
+
+    Row r of both meshes belongs to replica r and to one process, so every copy is local
+    to its process (a global `device_put` across device sets is refused in multi-controller
+    JAX). The device that holds replica r's data on `src` is `src.devices[r, 0]`.
+    """
+    src_row = {d: r for r, d in enumerate(src.devices[:, 0])}
+
+    def move(x):
+        spec = x.sharding.spec
+        by_row = {src_row[s.device]: s.data for s in x.addressable_shards if s.device in src_row}
+        sharding = NamedSharding(dst, spec)
+        pieces = []
+        for device in sharding.addressable_devices:
+            row = int(np.argwhere(dst.devices == device)[0][0])
+            pieces.append(jax.device_put(by_row[row], device))
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
+
+    return jax.tree.map(move, tree)
+
+
+@dataclasses.dataclass
+class PendingSync:
+    """A group's sync dispatched on the communication mesh whose result is not installed yet."""
+
+    group: int
+    outputs: PyTree  # (new global values, new outer state, finite (R,), new residuals)
+
+
 @dataclasses.dataclass(frozen=True)
 class OuterSync:
     """Jitted sync and merge functions for each parameter group.
 
     **Arguments:**
 
-    - `mesh`: the ("diloco", "data") mesh.
+    - `mesh`: the ("diloco", "data") compute mesh.
     - `groups`: the parameter groups; group i owns `state.outer_states[i]` (and residuals).
     - `outer_opt`: the outer optimizer.
     - `fmt`: wire format of the outer gradients (see `quantize`).
@@ -143,6 +173,12 @@ class OuterSync:
     - `skip_nonfinite`: leave replicas with a non-finite outer gradient out of the mean.
     - `error_feedback`: carry each replica's quantization residual to its next sync.
     - `shardings`: the train state's shardings (outputs are pinned to them).
+    - `comm_mesh`: where overlapped syncs run (`launch`); None runs them on `mesh`.
+
+    Two ways to sync a group: `sync` (or `sync_and_merge`) updates the state in one program
+    on the compute mesh; `launch` copies the group's values to the communication mesh and
+    dispatches the exchange and outer step there without waiting, and `install` later puts
+    the result into the state. Both compute the same values.
     """
 
     mesh: Mesh
@@ -153,38 +189,73 @@ class OuterSync:
     skip_nonfinite: bool
     error_feedback: bool
     shardings: TrainState
+    comm_mesh: Mesh | None = None
 
     def __post_init__(self):
-        exchange = mean_outer_gradient(
-            self.mesh, self.fmt, skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback
-        )
+        flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback)
+        exchange = mean_outer_gradient(self.mesh, self.fmt, **flags)
+        comm_mesh = self.comm_mesh or self.mesh
+        comm_core = self._core(mean_outer_gradient(comm_mesh, self.fmt, **flags))
         jit = lambda f: jax.jit(f, donate_argnums=0, out_shardings=(self.shardings, None))  # noqa: E731
-        syncs, merges, both = [], [], []
+        fns = dict(sync=[], merge=[], both=[], extract=[], install=[], remote=[])
+        replica, replicated = P("diloco"), P()
         for i, group in enumerate(self.groups):
-            sync = self._sync_fn(i, group, exchange)
+            sync = self._sync_fn(i, group, self._core(exchange))
             merge = self._merge_fn(group)
-            syncs.append(jit(sync))
-            merges.append(jax.jit(merge, donate_argnums=0, out_shardings=self.shardings))
-            both.append(jit(_then_merge(sync, merge)))
-        object.__setattr__(self, "_syncs", tuple(syncs))
-        object.__setattr__(self, "_merges", tuple(merges))
-        object.__setattr__(self, "_sync_and_merge", tuple(both))
+            fns["sync"].append(jit(sync))
+            fns["merge"].append(jax.jit(merge, donate_argnums=0, out_shardings=self.shardings))
+            fns["both"].append(jit(_then_merge(sync, merge)))
+            fns["extract"].append(jax.jit(self._extract_fn(i, group)))
+            fns["install"].append(jax.jit(self._install_fn(i, group), donate_argnums=0, out_shardings=self.shardings))
+            on_comm = lambda spec: NamedSharding(comm_mesh, spec)  # noqa: E731
+            fns["remote"].append(
+                jax.jit(
+                    comm_core,
+                    out_shardings=(on_comm(replicated), on_comm(replicated), on_comm(replica), on_comm(replica)),
+                )
+            )
+        object.__setattr__(self, "_fns", {k: tuple(v) for k, v in fns.items()})
 
-    def _sync_fn(self, i: int, group: ParamGroup, exchange):
-        def sync(state: TrainState) -> tuple[TrainState, Array]:
-            replica_values = group.get(state.params, layer_axis=1)
-            global_values = group.get(state.global_params)
-            residuals = state.residuals[i] if self.error_feedback else None
+    def _core(self, exchange):
+        """(replica values, global values, outer state, residuals) -> (global, outer state, finite, residuals)."""
+
+        def core(replica_values, global_values, outer_state, residuals):
             mean_delta, finite, new_residuals = exchange(replica_values, global_values, residuals)
             with jax.numpy_dtype_promotion("standard"):  # optax mixes weak floats and int32 counts
-                updates, outer_state = self.outer_opt.update(mean_delta, state.outer_states[i], global_values)
-            new_global = group.put(state.global_params, optax.apply_updates(global_values, updates))
+                updates, outer_state = self.outer_opt.update(mean_delta, outer_state, global_values)
+            return optax.apply_updates(global_values, updates), outer_state, finite, new_residuals
+
+        return core
+
+    def _extract_fn(self, i: int, group: ParamGroup):
+        def extract(state: TrainState):
+            residuals = state.residuals[i] if self.error_feedback else None
+            # Fresh copies: the state is donated to the next inner step while these are in flight.
+            replica_values = [jnp.copy(v) for v in group.get(state.params, layer_axis=1)]
+            return replica_values, group.get(state.global_params), state.outer_states[i], residuals
+
+        return extract
+
+    def _install_fn(self, i: int, group: ParamGroup):
+        def install(state: TrainState, global_values, outer_state, new_residuals) -> TrainState:
             outer_states = state.outer_states[:i] + (outer_state,) + state.outer_states[i + 1 :]
-            new_state = dataclasses.replace(state, global_params=new_global, outer_states=outer_states)
+            state = dataclasses.replace(
+                state, global_params=group.put(state.global_params, global_values), outer_states=outer_states
+            )
             if self.error_feedback:
-                all_residuals = state.residuals[:i] + (new_residuals,) + state.residuals[i + 1 :]
-                new_state = dataclasses.replace(new_state, residuals=all_residuals)
-            return new_state, finite
+                residuals = state.residuals[:i] + (new_residuals,) + state.residuals[i + 1 :]
+                state = dataclasses.replace(state, residuals=residuals)
+            return state
+
+        return install
+
+    def _sync_fn(self, i: int, group: ParamGroup, core):
+        install = self._install_fn(i, group)
+        extract = self._extract_fn(i, group)
+
+        def sync(state: TrainState) -> tuple[TrainState, Array]:
+            global_values, outer_state, finite, new_residuals = core(*extract(state))
+            return install(state, global_values, outer_state, new_residuals), finite
 
         return sync
 
@@ -203,16 +274,35 @@ class OuterSync:
         return merge
 
     def sync(self, state: TrainState, group: int) -> tuple[TrainState, Array]:
-        """Start group `group`'s sync: update theta_g and the outer state. Returns (state, finite (R,))."""
-        return self._syncs[group](state)
+        """Group `group`'s sync in one blocking program: update theta_g and the outer state.
+
+        Returns (state, finite) where finite (R,) says whose outer gradient was finite.
+        """
+        return self._fns["sync"][group](state)
 
     def merge(self, state: TrainState, group: int) -> TrainState:
         """Blend group `group`'s global values into every replica."""
-        return self._merges[group](state)
+        return self._fns["merge"][group](state)
 
     def sync_and_merge(self, state: TrainState, group: int) -> tuple[TrainState, Array]:
         """`sync` then `merge` in one program (overlap tau = 0)."""
-        return self._sync_and_merge[group](state)
+        return self._fns["both"][group](state)
+
+    def launch(self, state: TrainState, group: int) -> PendingSync:
+        """Dispatch group `group`'s sync on the communication mesh and return without waiting."""
+        inputs = self._fns["extract"][group](state)
+        if self.comm_mesh is not None:
+            inputs = move_to_mesh(inputs, self.mesh, self.comm_mesh)
+        return PendingSync(group, self._fns["remote"][group](*inputs))
+
+    def install(self, state: TrainState, pending: PendingSync) -> tuple[TrainState, Array]:
+        """Put a launched sync's result into the state (waits for it). Returns (state, finite)."""
+        global_values, outer_state, finite, residuals = pending.outputs
+        if self.comm_mesh is not None:
+            global_values, outer_state, finite, residuals = move_to_mesh(
+                (global_values, outer_state, finite, residuals), self.comm_mesh, self.mesh
+            )
+        return self._fns["install"][pending.group](state, global_values, outer_state, residuals), finite
 
     def nbytes(self, state: TrainState, group: int) -> int:
         """Bytes one replica sends for one sync of `group` (payload and scales)."""

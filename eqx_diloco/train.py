@@ -12,14 +12,14 @@ import sys
 import tyro
 
 from .config import Config, ConfigError, validate
-from .mesh import devices_needed, ensure_cpu_devices
+from .mesh import setup_devices
 
 
 def main(argv: list[str] | None = None) -> int:
     config = tyro.cli(Config, args=argv)
     try:
         validate(config)
-        ensure_cpu_devices(devices_needed(config))
+        setup_devices(config)
         from .trainer import NonFiniteError, train  # imported after the device count is set
 
         try:

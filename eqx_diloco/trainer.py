@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import Transformer
@@ -22,10 +23,10 @@ from .checkpoint import Checkpointer
 from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
 from .fragments import Fragmenter
-from .mesh import make_mesh
+from .mesh import make_meshes
 from .metrics import MetricsLog, ProgressDisplay, write_config
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
-from .outer import FragmentGroup, OuterSync, sync_nbytes
+from .outer import FragmentGroup, OuterSync, PendingSync, sync_nbytes
 from .state import TrainState, build_state, init_state, state_shardings
 from .step import make_inner_step
 
@@ -42,9 +43,21 @@ def global_model(state: TrainState) -> Transformer:
 
 
 @eqx.filter_jit
-def eval_loss(model: Transformer, tokens) -> jax.Array:
-    """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses)."""
-    return lm_loss(model, tokens)[1]["ce"]
+def eval_loss(state: TrainState, tokens) -> jax.Array:
+    """Mean next-token cross entropy of the global model on `tokens` (no auxiliary losses)."""
+    return lm_loss(global_model(state), tokens)[1]["ce"]
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """The global value of `x` on this host, also when other processes hold some of its shards."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process computed in full (each keeps its shards)."""
+    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
 
 
 @dataclasses.dataclass
@@ -64,7 +77,7 @@ class Trainer:
         config = self.config
         validate(config)
         self.is_main = jax.process_index() == 0
-        self.mesh = make_mesh(config)
+        self.mesh, self.comm_mesh = make_meshes(config)
         d, t = config.diloco, config.train
         self.diloco = config.algorithm == "diloco"
         self.num_fragments = d.num_fragments if self.diloco else 1
@@ -94,16 +107,16 @@ class Trainer:
         if self.diloco:
             groups = tuple(FragmentGroup(self.fragmenter, p) for p in range(self.num_fragments))
             self.outer = OuterSync(
-                self.mesh, groups, self.outer_opt, d.quantize, d.alpha, skip, d.error_feedback, self.shardings
+                self.mesh, groups, self.outer_opt, d.quantize, d.alpha, skip, d.error_feedback, self.shardings,
+                comm_mesh=self.comm_mesh,
             )
             self.group_bytes = [self.outer.nbytes(abstract_state, p) for p in range(self.num_fragments)]
         else:
             self.group_bytes = []
         self.ddp_step_bytes = param_bytes  # one full float32 gradient per step
         self.batch_sharding = NamedSharding(self.mesh, P("diloco", "data"))
-        self.eval_tokens = jax.device_put(
-            self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, P())
-        )
+        self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, P()))
+        self.pending: dict[int, PendingSync] = {}  # launched syncs by group, not yet installed
         ck = config.checkpoint
         self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)
 
@@ -127,17 +140,35 @@ class Trainer:
         return 0 if synced is None else self.group_bytes[synced]
 
     def outer_steps(self, state: TrainState, t: int) -> tuple[TrainState, jax.Array | None, int | None, int | None]:
-        """Run the syncs and merges due after step t. Returns (state, finite flags, synced, applied)."""
+        """Run the syncs and merges due after step t. Returns (state, finite flags, synced, applied).
+
+        With tau = 0 a sync and its merge are one program. With tau > 0 the sync is launched
+        (on the communication devices, if any) and the host moves on; tau steps later its
+        result is installed and merged. `finite` belongs to the sync that finished here.
+        """
         synced, applied = self.events(t)
         finite = None
         if synced is not None and synced == applied:  # tau = 0: apply at once
             state, finite = self.outer.sync_and_merge(state, synced)
             return state, finite, synced, applied
         if applied is not None:
+            if applied in self.pending:  # else installed early (evaluation, checkpoint) or restored
+                state, finite = self.outer.install(state, self.pending.pop(applied))
             state = self.outer.merge(state, applied)
         if synced is not None:
-            state, finite = self.outer.sync(state, synced)
+            self.pending[synced] = self.outer.launch(state, synced)
         return state, finite, synced, applied
+
+    def install_pending(self, state: TrainState) -> TrainState:
+        """Wait for every launched sync and put its result into the state (merges stay scheduled).
+
+        The global params then read as if the syncs had been blocking, which is what an
+        evaluation or a checkpoint must see.
+        """
+        for group in sorted(self.pending):
+            state, finite = self.outer.install(state, self.pending.pop(group))
+            self._check_finite(int(state.step), "outer gradient", host_array(finite))
+        return state
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -184,7 +215,7 @@ class Trainer:
         try:
             for step in range(start, t_cfg.steps):
                 t = step + 1
-                tokens = jax.device_put(self.batches.batch(step), self.batch_sharding)
+                tokens = place(self.batches.batch(step), self.batch_sharding)
                 state, metrics = self.inner_step(state, tokens)
                 finite, synced, applied = None, None, None
                 if self.diloco:
@@ -197,6 +228,8 @@ class Trainer:
                     step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent, peak=peak
                 )
                 eval_due = t == t_cfg.steps or (t_cfg.eval_every and t % t_cfg.eval_every == 0)
+                if eval_due or self.checkpointer.due(t) or t == t_cfg.steps:
+                    state = self.install_pending(state)
                 if eval_due:
                     last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
                     pending = None
@@ -220,7 +253,7 @@ class Trainer:
         }
 
     def _evaluate(self, state: TrainState, t: int, log: MetricsLog, display: ProgressDisplay | None) -> float:
-        value = float(eval_loss(global_model(state), self.eval_tokens))
+        value = float(eval_loss(state, self.eval_tokens))
         log.write({"step": t, "eval_loss": value})
         if display is not None:
             display.log(f"step {t:>6}  eval_loss {value:.4f}")
@@ -229,10 +262,10 @@ class Trainer:
     def _emit(self, pending, log, display, tokens_per_step, last_time, last_step):
         """Read step t's metrics (already computed), check them, log them. Returns the new timer."""
         t = pending["step"]
-        m = jax.device_get(pending["metrics"])
+        m = jax.tree.map(host_array, pending["metrics"])
         self._check_finite(t, "loss", m["finite"])
         if pending["finite"] is not None:
-            self._check_finite(t, "outer gradient", np.asarray(pending["finite"]))
+            self._check_finite(t, "outer gradient", host_array(pending["finite"]))
         event = pending["synced"] is not None or pending["applied"] is not None
         if t % self.config.train.log_every and t != self.config.train.steps and not event:
             return last_time, last_step
@@ -255,7 +288,7 @@ class Trainer:
         if bad:
             record["skipped_replicas"] = bad
         if pending["finite"] is not None:
-            outer_bad = [r for r, ok in enumerate(np.asarray(pending["finite"])) if not ok]
+            outer_bad = [r for r, ok in enumerate(host_array(pending["finite"])) if not ok]
             if outer_bad:
                 record["skipped_sync_replicas"] = outer_bad
         if "expert_usage" in m:

@@ -4,7 +4,7 @@ from pathlib import Path
 import jax
 
 # Simulated CPU devices for the ("diloco", "data") mesh; must be set before JAX starts.
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", 12)
 # Every implicit dtype promotion is a bug in this code base: make it an error in tests.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 

@@ -95,9 +95,10 @@ def test_closed_form_with_constant_inner_updates(make_config, tau, alpha):
             for a, e in zip(actual, expected):
                 np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
 
-        check(frag.get(hist[t1].global_params, p), g1)
-        check(frag.get(hist[t2].global_params, p), g2)
-        trace = hist[t2].outer_states[p][0].trace  # optax sgd: (TraceState, ...)
+        # With tau > 0 the sync runs in the background and is installed at t + tau.
+        check(frag.get(hist[t1 + tau].global_params, p), g1)
+        check(frag.get(hist[t2 + tau].global_params, p), g2)
+        trace = hist[t2 + tau].outer_states[p][0].trace  # optax sgd: (TraceState, ...)
         check(trace, m2)
         # Replicas: untouched until t1 + tau, then merged.
         if tau:
@@ -137,3 +138,18 @@ def test_metrics_name_synced_and_applied_fragments_and_count_fragment_bytes(make
     sizes = [trainer.fragmenter.nbytes(trainer.abstract_state.global_params, p) for p in range(3)]
     assert lines[-1]["sent_bytes"] == 2 * sum(sizes)
     assert lines[-1]["peak_sync_bytes"] == max(sizes) < sum(sizes)
+
+
+def test_sync_on_communication_devices_equals_sync_on_compute_devices(make_config):
+    on = make_config(model=dict(num_layers=2), diloco=dict(num_fragments=3, sync_period=6, overlap_steps=1,
+                                                           alpha=0.5, comm_device="on"), train=dict(steps=10))
+    off = dataclasses.replace(on, run_dir=on.run_dir.parent / "off",
+                              diloco=dataclasses.replace(on.diloco, comm_device="off"))
+    a, b = Trainer(on, verbose=False), Trainer(off, verbose=False)
+    assert a.comm_mesh is not None and b.comm_mesh is None
+    assert set(a.comm_mesh.devices.flat).isdisjoint(a.mesh.devices.flat)
+    a.run()
+    b.run()
+    assert train_losses(on.run_dir) == train_losses(off.run_dir)
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
+        np.testing.assert_array_equal(x, y)
