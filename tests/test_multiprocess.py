@@ -1,0 +1,92 @@
+"""Islands as processes: the same run over 2 or 4 local processes equals the single-process run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eqx_diloco import Trainer
+from eqx_diloco.launch import main as launch_main
+from test_cli import TINY
+from util import train_losses
+
+STEPS = 8
+
+
+def _launch(num_processes, run_dir, *flags, **popen):
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(num_processes), "--",
+           *TINY, "--run-dir", str(run_dir), "--train.log-every", "1", *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.parametrize("num_processes", [2, 4])
+@pytest.mark.parametrize("streaming", [False, True], ids=["diloco", "streaming-tau1"])
+def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_processes, streaming):
+    diloco = dict(num_replicas=4, sync_period=6 if streaming else 2)
+    flags = ["--diloco.num-replicas", "4", "--diloco.sync-period", str(diloco["sync_period"]),
+             "--train.steps", str(STEPS), "--model.num-layers", "2", "--model.dim", "32", "--model.mlp-ratio", "2", "--train.lr", "0.01"]
+    if streaming:
+        diloco.update(num_fragments=3, overlap_steps=1, alpha=0.5)
+        flags += ["--diloco.num-fragments", "3", "--diloco.overlap-steps", "1", "--diloco.alpha", "0.5"]
+    single = make_config(diloco=diloco, train=dict(steps=STEPS, lr=0.01, batch_size=4, seq_len=16,
+                                                    eval_every=50, warmup_steps=20))
+    Trainer(single, verbose=False).run()
+    proc = _launch(num_processes, tmp_path / "multi", *flags)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    multi = train_losses(tmp_path / "multi")
+    assert len(multi) == STEPS
+    np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{JAX process id: os pid} of the launcher's children."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            for var in env:
+                if var.startswith(b"JAX_PROCESS_ID="):
+                    found[int(var.split(b"=")[1])] = int(entry.name)
+    return found
+
+
+def test_killed_process_makes_the_launcher_stop_everything_quickly(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch(2, run_dir, "--train.steps", "100000", "--diloco.num-replicas", "2")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    children = _children(proc.pid)
+    os.kill(children[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert proc.returncode != 0
+    assert "process 1 of 2 was killed by signal 9" in err
+    for pid in children.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_launcher_rejects_bad_input(capsys):
+    assert launch_main(["--num-processes", "0", "--", "--train.steps", "1"]) == 2
+    assert "--num-processes must be >= 1" in capsys.readouterr().err
+
+
+def test_bandwidth_without_root_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert launch_main(["--num-processes", "2", "--bandwidth", "800mbit", "--", "--train.steps", "1"]) == 2
+    assert "--bandwidth needs root" in capsys.readouterr().err
