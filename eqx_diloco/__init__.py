@@ -12,7 +12,8 @@ from .config import (
     validate,
 )
 from .fragments import Fragmenter, layer_groups
-from .outer import FragmentGroup, OuterSync, mean_outer_gradient
+from .groups import FragmentGroup, LeafGroup, ParamGroup, make_groups
+from .outer import OuterSync, mean_outer_gradient
 from .state import TrainState, build_state, init_state, state_shardings
 from .step import make_inner_step
 from .trainer import NonFiniteError, Trainer, global_model, train
@@ -25,6 +26,8 @@ __all__ = [
     "DiLoCoConfig",
     "FragmentGroup",
     "Fragmenter",
+    "LeafGroup",
+    "ParamGroup",
     "MeshConfig",
     "NonFiniteError",
     "OuterSync",
@@ -35,6 +38,7 @@ __all__ = [
     "global_model",
     "init_state",
     "layer_groups",
+    "make_groups",
     "make_inner_step",
     "mean_outer_gradient",
     "quantize",

@@ -231,7 +231,8 @@ class Checkpointer:
         """Steps of the complete checkpoints on disk, newest first."""
         if not self.directory.is_dir():
             return []
-        return sorted(self.manager.all_steps(read=True), reverse=True)
+        self.manager.reload()  # another process (or a kill) may have changed the folder
+        return sorted(self.manager.all_steps(), reverse=True)
 
     # -- save -----------------------------------------------------------------------------
 

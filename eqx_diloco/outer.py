@@ -17,7 +17,7 @@ group is H steps later), so the global params themselves hold the in-flight resu
 """
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,32 +27,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array
 
 from . import quantize
-from .fragments import Fragmenter
+from .groups import ParamGroup
 from .state import TrainState
 
 PyTree = Any
-
-
-class ParamGroup(Protocol):
-    """A set of parameter slices that sync together."""
-
-    def get(self, tree: PyTree, *, layer_axis: int = 0) -> list: ...
-
-    def put(self, tree: PyTree, values: list, *, layer_axis: int = 0) -> PyTree: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class FragmentGroup:
-    """Fragment `index` of `fragmenter`, as a `ParamGroup`."""
-
-    fragmenter: Fragmenter
-    index: int
-
-    def get(self, tree, *, layer_axis=0):
-        return self.fragmenter.get(tree, self.index, layer_axis=layer_axis)
-
-    def put(self, tree, values, *, layer_axis=0):
-        return self.fragmenter.put(tree, self.index, values, layer_axis=layer_axis)
 
 
 def sync_nbytes(shapes: list[tuple[int, ...]], fmt: str) -> int:

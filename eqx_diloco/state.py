@@ -13,7 +13,7 @@ from jaxtyping import Array, Int, UInt32
 from models import Transformer
 
 from .config import Config
-from .fragments import Fragmenter
+from .groups import ParamGroup
 
 PyTree = Any
 
@@ -50,7 +50,7 @@ def _broadcast(tree: PyTree, n: int) -> PyTree:
 
 def build_state(
     config: Config,
-    fragmenter: Fragmenter,
+    groups: tuple[ParamGroup, ...],
     inner_opt: optax.GradientTransformation,
     outer_opt: optax.GradientTransformation,
 ) -> TrainState:
@@ -64,11 +64,11 @@ def build_state(
     keys = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(replica_key, r)))(jnp.arange(R))
     if config.algorithm == "ddp":
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, keys, None, (), None)
-    groups = [fragmenter.get(model, p) for p in range(fragmenter.num_fragments)]
-    outer_states = tuple(outer_opt.init(values) for values in groups)
+    values = [group.get(model) for group in groups]
+    outer_states = tuple(outer_opt.init(v) for v in values)
     residuals = None
     if config.diloco.error_feedback:
-        residuals = tuple([jnp.zeros((R, *v.shape), v.dtype) for v in values] for values in groups)
+        residuals = tuple([jnp.zeros((R, *x.shape), x.dtype) for x in v] for v in values)
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, keys, model, outer_states, residuals)
 
 
@@ -88,11 +88,11 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
 def init_state(
     config: Config,
     mesh: Mesh,
-    fragmenter: Fragmenter,
+    groups: tuple[ParamGroup, ...],
     inner_opt: optax.GradientTransformation,
     outer_opt: optax.GradientTransformation,
 ) -> TrainState:
     """Build the initial state directly on its shardings (no host round trip)."""
-    build = lambda: build_state(config, fragmenter, inner_opt, outer_opt)  # noqa: E731
+    build = lambda: build_state(config, groups, inner_opt, outer_opt)  # noqa: E731
     shardings = state_shardings(eqx.filter_eval_shape(build), mesh)
     return jax.jit(build, out_shardings=shardings)()

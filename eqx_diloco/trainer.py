@@ -5,6 +5,7 @@ devices while it formats a log line); only evaluations and the end block.
 """
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import Transformer
+from models.moe import usage_entropy
 from models.transformer import lm_loss
 
 from . import schedule
@@ -26,7 +28,9 @@ from .fragments import Fragmenter
 from .mesh import make_meshes
 from .metrics import MetricsLog, ProgressDisplay, write_config
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
-from .outer import FragmentGroup, OuterSync, PendingSync, sync_nbytes
+from .diagnostics import router_drift
+from .groups import make_groups
+from .outer import OuterSync, PendingSync, sync_nbytes
 from .state import TrainState, build_state, init_state, state_shardings
 from .step import make_inner_step
 
@@ -91,12 +95,19 @@ class Trainer:
             seed=t.seed,
         )
         abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
-        self.fragmenter = Fragmenter(config.model.num_layers, self.num_fragments, d.fragment_pattern)
+        self.groups = make_groups(config, abstract_model) if self.diloco else ()
+        self.fragmenter = self.groups[0].fragmenter if self.diloco else Fragmenter(config.model.num_layers, 1)
+        # With its own sync period, the router group comes after the P fragments.
+        self.router_group = self.num_fragments if self.diloco and d.router_sync_period else None
+        self.moe = config.model.kind == "moe"
+        if self.moe and self.diloco:
+            flags = tuple(jax.tree.leaves(abstract_model.router_mask()))
+            self.router_drift = jax.jit(lambda params: router_drift(params, flags))
         self.inner_opt = inner_optimizer(t, abstract_model.weight_decay_mask())
         self.outer_opt = outer_optimizer(d)
         self.lr_schedule = inner_schedule(t)
         abstract_state = eqx.filter_eval_shape(
-            lambda: build_state(config, self.fragmenter, self.inner_opt, self.outer_opt)
+            lambda: build_state(config, self.groups, self.inner_opt, self.outer_opt)
         )
         self.shardings = state_shardings(abstract_state, self.mesh)
         self.abstract_state = abstract_state
@@ -105,12 +116,11 @@ class Trainer:
         self.outer = None
         param_bytes = sync_nbytes([x.shape for x in jax.tree.leaves(abstract_model)], "none")
         if self.diloco:
-            groups = tuple(FragmentGroup(self.fragmenter, p) for p in range(self.num_fragments))
             self.outer = OuterSync(
-                self.mesh, groups, self.outer_opt, d.quantize, d.alpha, skip, d.error_feedback, self.shardings,
+                self.mesh, self.groups, self.outer_opt, d.quantize, d.alpha, skip, d.error_feedback, self.shardings,
                 comm_mesh=self.comm_mesh,
             )
-            self.group_bytes = [self.outer.nbytes(abstract_state, p) for p in range(self.num_fragments)]
+            self.group_bytes = [self.outer.nbytes(abstract_state, g) for g in range(len(self.groups))]
         else:
             self.group_bytes = []
         self.ddp_step_bytes = param_bytes  # one full float32 gradient per step
@@ -137,7 +147,14 @@ class Trainer:
         if not self.diloco:
             return self.ddp_step_bytes
         synced, _ = self.events(t)
-        return 0 if synced is None else self.group_bytes[synced]
+        sent = 0 if synced is None else self.group_bytes[synced]
+        if self.router_due(t):
+            sent += self.group_bytes[self.router_group]
+        return sent
+
+    def router_due(self, t: int) -> bool:
+        """Whether the router group takes its own outer step after step t."""
+        return self.router_group is not None and schedule.router_synced(t, self.config.diloco.router_sync_period)
 
     def outer_steps(self, state: TrainState, t: int) -> tuple[TrainState, jax.Array | None, int | None, int | None]:
         """Run the syncs and merges due after step t. Returns (state, finite flags, synced, applied).
@@ -147,16 +164,22 @@ class Trainer:
         result is installed and merged. `finite` belongs to the sync that finished here.
         """
         synced, applied = self.events(t)
-        finite = None
+        finished = []  # (R,) finite flags of the syncs whose results arrived at this step
+        if self.router_due(t):  # routers are small: a blocking sync, merged at once
+            state, finite = self.outer.sync_and_merge(state, self.router_group)
+            finished.append(finite)
         if synced is not None and synced == applied:  # tau = 0: apply at once
             state, finite = self.outer.sync_and_merge(state, synced)
-            return state, finite, synced, applied
-        if applied is not None:
-            if applied in self.pending:  # else installed early (evaluation, checkpoint) or restored
-                state, finite = self.outer.install(state, self.pending.pop(applied))
-            state = self.outer.merge(state, applied)
-        if synced is not None:
-            self.pending[synced] = self.outer.launch(state, synced)
+            finished.append(finite)
+        else:
+            if applied is not None:
+                if applied in self.pending:  # else installed early (evaluation, checkpoint) or restored
+                    state, finite = self.outer.install(state, self.pending.pop(applied))
+                    finished.append(finite)
+                state = self.outer.merge(state, applied)
+            if synced is not None:
+                self.pending[synced] = self.outer.launch(state, synced)
+        finite = functools.reduce(jnp.logical_and, finished) if finished else None
         return state, finite, synced, applied
 
     def install_pending(self, state: TrainState) -> TrainState:
@@ -176,7 +199,7 @@ class Trainer:
         restored = self.checkpointer.restore_latest(self.abstract_state, self.shardings, self.config)
         if restored is not None:
             return restored
-        return init_state(self.config, self.mesh, self.fragmenter, self.inner_opt, self.outer_opt), 0
+        return init_state(self.config, self.mesh, self.groups, self.inner_opt, self.outer_opt), 0
 
     def _check_finite(self, t: int, what: str, values: np.ndarray) -> list[int]:
         bad = [r for r, ok in enumerate(values) if not ok]
@@ -190,6 +213,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to `--train.steps`. Returns a summary (final eval loss, bytes, steps/s)."""
         config, t_cfg = self.config, self.config.train
+        self._start_time = time.perf_counter()
         state, start = self.initial_state()
         show = self.verbose and self.is_main
         if start >= t_cfg.steps:
@@ -217,16 +241,17 @@ class Trainer:
                 t = step + 1
                 tokens = place(self.batches.batch(step), self.batch_sharding)
                 state, metrics = self.inner_step(state, tokens)
-                finite, synced, applied = None, None, None
+                finite, synced, applied, drift = None, None, None, None
                 if self.diloco:
+                    if self.moe and (self.events(t)[0] is not None or self.router_due(t)):
+                        drift = self.router_drift(state.params)  # how far routers drifted before this sync
                     state, finite, synced, applied = self.outer_steps(state, t)
                 sent += self.sent_bytes_at(t)
                 peak = max(peak, self.sent_bytes_at(t))
                 if pending is not None:
                     last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
-                pending = dict(
-                    step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent, peak=peak
-                )
+                pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
+                               peak=peak, router_drift=drift)
                 eval_due = t == t_cfg.steps or (t_cfg.eval_every and t % t_cfg.eval_every == 0)
                 if eval_due or self.checkpointer.due(t) or t == t_cfg.steps:
                     state = self.install_pending(state)
@@ -266,7 +291,7 @@ class Trainer:
         self._check_finite(t, "loss", m["finite"])
         if pending["finite"] is not None:
             self._check_finite(t, "outer gradient", host_array(pending["finite"]))
-        event = pending["synced"] is not None or pending["applied"] is not None
+        event = pending["synced"] is not None or pending["applied"] is not None or pending["router_drift"] is not None
         if t % self.config.train.log_every and t != self.config.train.steps and not event:
             return last_time, last_step
         now = time.perf_counter()
@@ -274,6 +299,7 @@ class Trainer:
         replica_losses = [float(x) for x in m["loss"]]
         record = {
             "step": t,
+            "time": now - self._start_time,
             "loss": float(np.mean(replica_losses)),
             "replica_losses": replica_losses,
             "lr": float(self.lr_schedule(t - 1)),
@@ -293,6 +319,8 @@ class Trainer:
                 record["skipped_sync_replicas"] = outer_bad
         if "expert_usage" in m:
             record.update(self._moe_metrics(m))
+        if pending["router_drift"] is not None:
+            record["router_drift"] = float(host_array(pending["router_drift"]))
         log.write(record)
         status = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s"
         display.update(t, status)
@@ -301,8 +329,7 @@ class Trainer:
         return now, t
 
     def _moe_metrics(self, m) -> dict[str, Any]:
-        from models.moe import usage_entropy
-
+        """Per layer, the normalized entropy of expert usage (1 = perfectly balanced)."""
         usage = np.asarray(m["expert_usage"])  # (R, layers, experts)
         return {"expert_balance": [float(x) for x in np.asarray(usage_entropy(jnp.asarray(usage.mean(0))))]}
 

@@ -215,6 +215,20 @@ class Transformer(eqx.Module):
         """Logits of shape (seq, vocab) for a sequence of token ids of shape (seq,)."""
         return self.apply(tokens, key=key)[0]
 
+    def router_mask(self) -> "Transformer":
+        """A tree of bools: True for MoE router parameters (fields a module lists in `router_fields`)."""
+
+        def mark(node):
+            fields = getattr(type(node), "router_fields", None)
+            if fields is None:
+                return jax.tree.map(lambda _: False, node)
+            falses = jax.tree.map(lambda _: False, node)
+            return eqx.tree_at(
+                lambda m: [getattr(m, f) for f in fields], falses, replace_fn=lambda sub: jax.tree.map(lambda _: True, sub)
+            )
+
+        return jax.tree.map(mark, self, is_leaf=lambda n: hasattr(type(n), "router_fields"))
+
     def weight_decay_mask(self) -> "Transformer":
         """A tree of bools: True for matrices that weight decay should shrink, False for norms."""
         mask = jax.tree.map(lambda _: True, self)

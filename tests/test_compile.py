@@ -31,7 +31,7 @@ CONFIGS = {
 def test_eval_shape_of_init_and_steps(make_config, name):
     trainer = Trainer(make_config(**CONFIGS[name]), verbose=False)
     state = eqx.filter_eval_shape(
-        lambda: build_state(trainer.config, trainer.fragmenter, trainer.inner_opt, trainer.outer_opt)
+        lambda: build_state(trainer.config, trainer.groups, trainer.inner_opt, trainer.outer_opt)
     )
     R = trainer.config.diloco.num_replicas
     assert all(x.shape[0] == R for x in jax.tree.leaves(state.params))

@@ -1,0 +1,112 @@
+"""Seconds per step of each method on a rate-limited link: does the overlap really overlap?
+
+Every method trains the same model for the same steps as 2 processes (one replica each)
+joined by `jax.distributed`, inside a network namespace whose loopback is shaped to
+`--bandwidth` (see `eqx_diloco.launch`). Methods:
+
+- compute_only: DiLoCo with no sync in the run (the floor);
+- ddp: a gradient all-reduce every step;
+- diloco: a blocking sync of everything every H steps;
+- streaming: P fragments, one blocking sync every H/P steps;
+- streaming_overlap_tau{1,N}: the same, each sync running on the communication devices
+  while tau steps compute, waited for only at t + tau.
+
+s/step is measured from the metrics' timestamps after a warm-up that covers every
+program's compilation (the first sync of every fragment). compute_utilization is
+compute_only's s/step divided by the method's. Needs root (network namespaces).
+
+    python -m benchmarks.overlap --quick --json benchmarks/results/overlap.json
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from eqx_diloco.launch import LinkLimit
+
+
+def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
+    stream = ["--diloco.sync-period", str(H), "--diloco.num-fragments", str(P)]
+    return {
+        "compute_only": ["--diloco.sync-period", "1000000"],
+        "ddp": ["--algorithm", "ddp"],
+        "diloco": ["--diloco.sync-period", str(H)],
+        "streaming": stream,
+        "streaming_overlap_tau1": [*stream, "--diloco.overlap-steps", "1"],
+        f"streaming_overlap_tau{tau_large}": [*stream, "--diloco.overlap-steps", str(tau_large)],
+    }
+
+
+def seconds_per_step(metrics: Path, warmup: int) -> float:
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    timed = [r for r in records if "time" in r and r["step"] >= warmup]
+    first, last = timed[0], timed[-1]
+    return (last["time"] - first["time"]) / (last["step"] - first["step"])
+
+
+def sync_bytes(metrics: Path) -> int:
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if '"peak_sync_bytes"' in line]
+    return records[-1]["peak_sync_bytes"]
+
+
+def run_method(name: str, flags: list[str], common: list[str], args, work: Path) -> dict:
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--bandwidth", args.bandwidth,
+           "--log-dir", str(work / f"{name}_logs"), "--", *common, *flags, "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: {name} failed:\n{proc.stderr[-3000:]}")
+    metrics = run_dir / "metrics.jsonl"
+    return {"s_per_step": seconds_per_step(metrics, args.warmup), "bytes_per_sync": sync_bytes(metrics)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (finishes in under 3 minutes)")
+    parser.add_argument("--bandwidth", default="100mbit", help="link rate in tc units")
+    parser.add_argument("--sync-period", type=int, default=16, help="H")
+    parser.add_argument("--num-fragments", type=int, default=4, help="P (num_layers must be divisible by P - 1)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per method (default 52 quick, 84 full)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default H + 4)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--model-flags", default="--model.num-layers 6 --model.dim 128 --train.batch-size 4",
+                        help="model and batch flags passed to every run")
+    args = parser.parse_args(argv)
+    problem = LinkLimit.check()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    H, P = args.sync_period, args.num_fragments
+    tau_large = H // P - 1
+    args.warmup = args.warmup or H + tau_large + 1
+    steps = args.steps or (args.warmup + (2 if args.quick else 4) * H)
+    common = [*args.model_flags.split(), "--diloco.num-replicas", "2", "--train.steps", str(steps),
+              "--train.log-every", "1", "--train.eval-every", "0", "--checkpoint.every", "0"]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="overlap_bench_") as tmp:
+        for name, flags in method_flags(H, P, tau_large).items():
+            results[name] = run_method(name, flags, common, args, Path(tmp))
+            print(f"  {name:<26} {results[name]['s_per_step']:.3f} s/step", flush=True)
+    base = results["compute_only"]["s_per_step"]
+    for r in results.values():
+        r["compute_utilization"] = base / r["s_per_step"]
+    print(f"\nlink {args.bandwidth}, 2 processes x 1 replica, H={H}, P={P}, {steps} steps "
+          f"(timed after step {args.warmup}), model flags: {args.model_flags}\n")
+    print("| method | s/step | compute utilization | bytes per sync |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        sent = "-" if name == "compute_only" else f"{r['bytes_per_sync'] / 1e6:.2f} MB"
+        print(f"| {name} | {r['s_per_step']:.3f} | {r['compute_utilization']:.2f} | {sent} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"link": args.bandwidth, "sync_period": H, "num_fragments": P,
+                                         "steps": steps, "warmup": args.warmup, "model_flags": args.model_flags,
+                                         "methods": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
