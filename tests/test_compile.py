@@ -18,6 +18,10 @@ CONFIGS = {
     "tied-4-replicas": dict(model=dict(tie_embeddings=True), diloco=dict(num_replicas=4)),
     "moe-P1": dict(model=dict(kind="moe", num_experts=4, top_k=2)),
     "moe-P3": dict(model=dict(kind="moe", num_experts=4, top_k=1), diloco=dict(num_fragments=3, sync_period=6)),
+    "moe-P3-router-sync": dict(
+        model=dict(kind="moe", num_experts=4, top_k=2),
+        diloco=dict(num_fragments=3, sync_period=6, router_sync_period=3, overlap_steps=1),
+    ),
     "stream-P2-strided": dict(model=dict(num_layers=4), diloco=dict(num_fragments=2, sync_period=4)),
     "stream-P3-sequential": dict(
         model=dict(num_layers=4), diloco=dict(num_fragments=3, sync_period=6, fragment_pattern="sequential")
