@@ -66,6 +66,13 @@ def _lookup(tree: dict, dotted: str) -> Any:
     return tree
 
 
+def _with_defaults(saved: Any, defaults: Any) -> Any:
+    """`saved` with the keys it lacks (fields added to the config since) taken from `defaults`."""
+    if not isinstance(saved, dict) or not isinstance(defaults, dict):
+        return saved
+    return {**defaults, **{k: _with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
+
+
 def _flag(prefix: str, key: str) -> str:
     return f"{prefix}.{key.replace('_', '-')}"
 
@@ -87,6 +94,7 @@ def incompatibility(saved: dict, current: Config, step: int | None = None) -> st
     while a fragment's sync is in flight.
     """
     now = to_jsonable(current)
+    saved = _with_defaults(saved, to_jsonable(Config()))
     for dotted, flag in _STATE_DEFINING.items():
         old, new = _lookup(saved, dotted), _lookup(now, dotted)
         if old != new:
@@ -166,10 +174,16 @@ def _checksums(leaves: list[jax.Array]) -> jax.Array:
 
 def checksums(tree: PyTree) -> list[int]:
     """One uint32 checksum per array leaf of `tree` (computed where the arrays live)."""
-    return [int(c) for c in np.asarray(jax.device_get(_checksums(jax.tree.leaves(tree))))]
+    out = _checksums(jax.tree.leaves(tree))
+    if not out.is_fully_addressable:  # multi-process: every process gets the global value
+        from jax.experimental import multihost_utils
+
+        out = multihost_utils.process_allgather(out, tiled=True)
+    return [int(c) for c in np.asarray(out)]
 
 
-def _leaf_paths(tree: PyTree) -> list[str]:
+def leaf_paths(tree: PyTree) -> list[str]:
+    """`jax.tree_util.keystr` of every array leaf of `tree`, in flatten order (e.g. ".global_params.embed")."""
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
@@ -213,7 +227,8 @@ class Checkpointer:
     def manager(self) -> ocp.CheckpointManager:
         if self._manager is None:
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.keep,
+                max_to_keep=None if self.read_only else self.keep,
+                save_interval_steps=0 if self.read_only else 1,
                 enable_async_checkpointing=not self.read_only,
                 create=not self.read_only,
                 cleanup_tmp_directories=not self.read_only,  # folders of saves cut short by a kill
@@ -244,7 +259,7 @@ class Checkpointer:
         meta = {
             "format": FORMAT,
             "step": int(step),
-            "paths": _leaf_paths(state),
+            "paths": leaf_paths(state),
             "layout": _layout(leaves),
             "checksums": checksums(leaves),
         }
@@ -285,7 +300,7 @@ class Checkpointer:
         leaves, treedef = jax.tree.flatten(abstract_state)
         layout = _layout(leaves)
         if meta["layout"] != layout:
-            paths = _leaf_paths(abstract_state)
+            paths = leaf_paths(abstract_state)
             if len(meta["layout"]) != len(layout):
                 raise ConfigError(
                     f"checkpoint is incompatible with this config: it holds {len(meta['layout'])} state arrays, "
@@ -359,6 +374,57 @@ class Checkpointer:
             f"none of the {len(steps)} checkpoints in {self.directory} can be restored (step {newest}: {reason}); "
             f"move that folder away to start over"
         )
+
+    def restore_subtree(
+        self, prefixes: tuple[str, ...], *, step: int | None = None
+    ) -> tuple[int, dict, str, dict[str, np.ndarray]]:
+        """Host copies of the state leaves under the first of `prefixes` the checkpoint holds.
+
+        E.g. `(".global_params", ".params")`. Needs no abstract state, mesh or devices of the
+        training run: the leaf paths are in the checkpoint's metadata. Takes the newest
+        checkpoint whose leaves restore and match their checksums (or `step`).
+        Returns (step, saved config JSON, prefix, {path: array}).
+        """
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (found {sorted(steps)})")
+            steps = [step]
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        failures = []
+        for s in steps:
+            try:
+                saved_config, meta = self.read_json(s)
+                under = lambda prefix: [  # noqa: E731
+                    i for i, p in enumerate(meta["paths"]) if p.startswith(prefix + ".") or p == prefix
+                ]
+                prefix = next((p for p in prefixes if under(p)), None)
+                if prefix is None:
+                    raise CheckpointError(f"checkpoint {s} in {self.directory} holds none of {', '.join(prefixes)}")
+                keys = under(prefix)
+                item = {str(i): np.zeros(meta["layout"][i][0], meta["layout"][i][1]) for i in keys}
+                restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in item}
+                restored = self.manager.restore(
+                    s,
+                    args=ocp.args.Composite(
+                        state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+                    ),
+                )["state"]
+                values = [np.asarray(restored[str(i)]) for i in keys]
+                for i, value, got in zip(keys, values, checksums(values)):
+                    if got != meta["checksums"][i]:
+                        raise ValueError(f"checksum mismatch in state{meta['paths'][i]}")
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                failures.append((s, _first_line(e)))
+                self._report(s, failures[-1][1])
+                continue
+            return s, saved_config, prefix, {meta["paths"][i]: v for i, v in zip(keys, values)}
+        newest, reason = failures[0]
+        raise CheckpointError(f"none of the {len(steps)} checkpoints in {self.directory} can be restored "
+                              f"(step {newest}: {reason})")
 
     def _report(self, step: int, reason: str) -> None:
         _warn(f"checkpoint {step} in {self.directory} is corrupt or incomplete ({reason}); trying an older one")
