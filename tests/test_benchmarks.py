@@ -1,0 +1,149 @@
+"""Smoke tests of the benchmark scripts on microscopic settings: structure and finiteness only.
+
+Numbers from these settings mean nothing and timings are never asserted.
+"""
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common, convergence, quantization, throughput  # noqa: E402
+from models import Transformer, TransformerConfig  # noqa: E402
+
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def quiet(_msg):
+    pass
+
+
+_RUNS = {}
+
+
+@pytest.fixture
+def shared_runs(monkeypatch):
+    """Trainer runs with equal configs (up to run_dir) are run once per session: the
+    convergence and quantization smoke tests share their streaming int4 run."""
+    real = _common.train_and_summarize
+
+    def cached(config, **kw):
+        key = dataclasses.replace(config, run_dir=pathlib.Path("."))
+        if key not in _RUNS:
+            _RUNS[key] = real(config, **kw)
+        return copy.deepcopy(_RUNS[key])
+
+    monkeypatch.setattr(_common, "train_and_summarize", cached)
+
+
+def test_convergence_smoke(tmp_path, shared_runs):
+    result = convergence.run("smoke", out_dir=tmp_path, make_plots=HAVE_MPL, log=quiet)
+    scale = convergence.SCALES["smoke"]
+    saved = json.loads((tmp_path / "convergence.json").read_text())
+    assert saved["benchmark"] == "convergence" and len(saved["runs"]) == len(result["runs"]) >= 2
+    assert "| run |" in (tmp_path / "convergence.md").read_text()
+    if HAVE_MPL:
+        assert (tmp_path / "convergence_loss_vs_step.png").stat().st_size > 0
+        assert (tmp_path / "convergence_loss_vs_bytes.png").stat().st_size > 0
+    runs = {r["method"]: r for r in saved["runs"]}
+    for r in saved["runs"]:
+        for key in ("eval_loss", "sent_bytes", "peak_sync_bytes", "elapsed_s", "loss_vs_ddp_pct", "bytes_vs_ddp"):
+            assert finite(r[key]), (r["name"], key, r[key])
+        assert r["tokens"] == r["replicas"] * r["batch_size"] * scale.steps * scale.seq_len
+        steps = [p["step"] for p in r["curve"]]
+        assert steps == list(range(0, scale.steps + 1, scale.eval_every))
+        assert all(finite(p["eval_loss"]) and finite(p["sent_bytes"]) for p in r["curve"])
+        assert r["curve"][-1]["sent_bytes"] == r["sent_bytes"] == r["metrics_sent_bytes"]
+    ddp, streaming = runs["ddp"], runs["streaming"]
+    assert ddp["sent_bytes"] == scale.steps * ddp["peak_sync_bytes"]  # one full gradient every step
+    assert streaming["sent_bytes"] < ddp["sent_bytes"] and streaming["peak_sync_bytes"] < ddp["peak_sync_bytes"]
+
+
+def test_convergence_suites_are_valid_configs(tmp_path):
+    from eqx_diloco.config import validate
+
+    for mode in ("quick", "full"):
+        scale = convergence.SCALES[mode]
+        specs = convergence.suite(scale, mode)
+        assert len({s.name for s in specs}) == len(specs)
+        tokens = {s.replicas * s.batch_size for s in specs}
+        assert len(tokens) == 1  # same global batch, same steps: same total tokens
+        for spec in specs:
+            validate(convergence.make_config(spec, scale, tmp_path, 0))
+            if spec.method != "ddp":
+                assert scale.steps % spec.sync_period == 0
+
+
+def test_quantization_smoke(tmp_path, shared_runs):
+    formats = (("none", False), ("int4", False))  # the same streaming setting as the convergence smoke run
+    result = quantization.run("smoke", formats=formats, fragments=2, noise_seeds=(), out_dir=tmp_path, log=quiet)
+    saved = json.loads((tmp_path / "quantization.json").read_text())
+    assert "| format |" in (tmp_path / "quantization.md").read_text()
+    rows = {(r["format"], r["error_feedback"]): r for r in saved["runs"]}
+    assert set(rows) == set(formats) and len(result["runs"]) == len(rows)
+    for r in rows.values():
+        for key in ("eval_loss", "loss_delta_pct", "bytes_ratio", "metrics_sent_bytes", "bits_per_value"):
+            assert finite(r[key]), (r["label"], key, r[key])
+        assert isinstance(r["within_1pct"], bool)
+    assert rows[("none", False)]["bytes_ratio"] == 1.0 and rows[("none", False)]["loss_delta_pct"] == 0.0
+    assert 0 < rows[("int4", False)]["bytes_ratio"] < 0.2
+
+
+def test_throughput_smoke(tmp_path):
+    result = throughput.run(throughput.SMOKE, out_dir=tmp_path, log=quiet)
+    saved = json.loads((tmp_path / "throughput.json").read_text())
+    assert "## (b)" in (tmp_path / "throughput.md").read_text()
+    assert finite(saved["peak"]["flops_per_s"]) and saved["peak"]["flops_per_s"] > 0
+    assert finite(saved["flops"]["flops_per_token"])
+    rows = saved["throughput"]["rows"]
+    assert rows[0]["variant"].startswith("plain") and len(rows) == len(result["throughput"]["rows"]) >= 2
+    for r in rows:
+        assert finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and finite(r["mfu"])
+    assert all(finite(r["ratio_vs_plain"]) for r in rows[1:])
+    for c in saved["compile"]:
+        for variant in ("scan", "unrolled"):
+            assert all(finite(c[variant][k]) for k in ("lower_s", "compile_s", "total_s"))
+        assert finite(c["unrolled_over_scan"])
+
+
+def test_unrolled_loss_equals_scan_loss():
+    config = TransformerConfig(num_layers=3, dim=16, num_heads=2, mlp_ratio=2)
+    model = eqx.filter_jit(Transformer)(config, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 256)
+    both = eqx.filter_jit(lambda m, t: (throughput.scan_loss(m, t), throughput.unrolled_loss(m, t)))
+    scan, unrolled = both(model, tokens)
+    np.testing.assert_allclose(np.asarray(unrolled), np.asarray(scan), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_model_flops_parameter_counts(tie):
+    cfg = TransformerConfig(num_layers=3, dim=32, num_heads=2, mlp_ratio=4, tie_embeddings=tie)
+    model = eqx.filter_eval_shape(Transformer, cfg, key=jax.random.key(0))
+    counts = throughput.model_flops(cfg, seq_len=64)
+    assert counts["n_params"] == sum(x.size for x in jax.tree.leaves(model))
+    matrices = [model.blocks.attn.qkv, model.blocks.attn.out, model.blocks.ffn.up, model.blocks.ffn.down]
+    head = model.embed if model.head is None else model.head
+    assert counts["n_matmul"] == sum(x.size for x in matrices) + head.size
+    assert counts["flops_per_token"] == 6 * counts["n_matmul"] + 12 * 3 * 64 * 32
+
+
+def test_markdown_table_and_jsonable():
+    text = _common.markdown_table([{"a": 1, "b": None}], [("A", "a", None), ("B", "b", lambda v: f"{v:.1f}")])
+    assert text.splitlines() == ["| A | B |", "|---|---|", "| 1 | - |"]
+    assert _common.jsonable({"x": jnp.float32(1.5), "y": float("nan"), "p": pathlib.Path("a")}) == {
+        "x": 1.5, "y": "nan", "p": "a"}
