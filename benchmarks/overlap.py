@@ -1,7 +1,7 @@
 """Seconds per step of each method on a rate-limited link: does the overlap really overlap?
 
-Every method trains the same model for the same steps as 2 processes (one replica each)
-joined by `jax.distributed`, inside a network namespace whose loopback is shaped to
+Every method trains the same model as 2 processes (one replica each) joined by
+`jax.distributed`, inside a network namespace whose loopback is shaped to
 `--bandwidth` (see `eqx_diloco.launch`). Methods:
 
 - compute_only: DiLoCo with no sync in the run (the floor);
@@ -12,7 +12,8 @@ joined by `jax.distributed`, inside a network namespace whose loopback is shaped
   while tau steps compute, waited for only at t + tau.
 
 s/step is measured from the metrics' timestamps after a warm-up that covers every
-program's compilation (the first sync of every fragment). compute_utilization is
+program's compilation (the first sync of every fragment); compute_only and ddp, whose
+steps are all alike, run fewer steps. compute_utilization is
 compute_only's s/step divided by the method's. Needs root (network namespaces).
 
     python -m benchmarks.overlap --quick --json benchmarks/results/overlap.json
@@ -20,6 +21,7 @@ compute_only's s/step divided by the method's. Needs root (network namespaces).
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -52,25 +54,30 @@ def sync_bytes(metrics: Path) -> int:
     return records[-1]["peak_sync_bytes"]
 
 
-def run_method(name: str, flags: list[str], common: list[str], args, work: Path) -> dict:
+def run_method(name: str, flags: list[str], common: list[str], args, work: Path, steps: int, warmup: int) -> dict:
     run_dir = work / name
+    common = [*common, "--train.steps", str(steps)]
     cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--bandwidth", args.bandwidth,
            "--log-dir", str(work / f"{name}_logs"), "--", *common, *flags, "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # One persistent compilation cache for all methods: most share the inner step program.
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(work / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"error: {name} failed:\n{proc.stderr[-3000:]}")
     metrics = run_dir / "metrics.jsonl"
-    return {"s_per_step": seconds_per_step(metrics, args.warmup), "bytes_per_sync": sync_bytes(metrics)}
+    return {"s_per_step": seconds_per_step(metrics, warmup), "bytes_per_sync": sync_bytes(metrics),
+            "steps": steps, "timed_after_step": warmup}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (finishes in under 3 minutes)")
-    parser.add_argument("--bandwidth", default="100mbit", help="link rate in tc units")
+    parser.add_argument("--bandwidth", default="60mbit", help="link rate in tc units")
     parser.add_argument("--sync-period", type=int, default=16, help="H")
     parser.add_argument("--num-fragments", type=int, default=4, help="P (num_layers must be divisible by P - 1)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per method (default 52 quick, 84 full)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default H + 4)")
+    parser.add_argument("--steps", type=int, default=None, help="steps of the syncing methods (default warm-up + 2H quick, + 4H full)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default H + H/P)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--model-flags", default="--model.num-layers 6 --model.dim 128 --train.batch-size 4",
                         help="model and batch flags passed to every run")
@@ -83,18 +90,25 @@ def main(argv=None) -> int:
     tau_large = H // P - 1
     args.warmup = args.warmup or H + tau_large + 1
     steps = args.steps or (args.warmup + (2 if args.quick else 4) * H)
-    common = [*args.model_flags.split(), "--diloco.num-replicas", "2", "--train.steps", str(steps),
+    common = [*args.model_flags.split(), "--diloco.num-replicas", "2",
               "--train.log-every", "1", "--train.eval-every", "0", "--checkpoint.every", "0"]
     results = {}
     with tempfile.TemporaryDirectory(prefix="overlap_bench_") as tmp:
         for name, flags in method_flags(H, P, tau_large).items():
-            results[name] = run_method(name, flags, common, args, Path(tmp))
+            # Methods without outer syncs compile nothing after step 1 and their steps are
+            # uniform: a short run times them (DDP's slow steps would dominate the runtime).
+            if name in ("compute_only", "ddp"):
+                short = 3 + (6 if args.quick else 16)
+                results[name] = run_method(name, flags, common, args, Path(tmp), short, 3)
+            else:
+                results[name] = run_method(name, flags, common, args, Path(tmp), steps, args.warmup)
             print(f"  {name:<26} {results[name]['s_per_step']:.3f} s/step", flush=True)
     base = results["compute_only"]["s_per_step"]
     for r in results.values():
         r["compute_utilization"] = base / r["s_per_step"]
     print(f"\nlink {args.bandwidth}, 2 processes x 1 replica, H={H}, P={P}, {steps} steps "
-          f"(timed after step {args.warmup}), model flags: {args.model_flags}\n")
+          f"(timed after step {args.warmup}; compute_only and ddp: {results['ddp']['steps']} steps timed after "
+          f"step 3), model flags: {args.model_flags}\n")
     print("| method | s/step | compute utilization | bytes per sync |")
     print("|---|---|---|---|")
     for name, r in results.items():

@@ -13,7 +13,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import Transformer
@@ -27,6 +26,7 @@ from .data import TokenBatches, load_tokens
 from .fragments import Fragmenter
 from .mesh import make_meshes
 from .metrics import MetricsLog, ProgressDisplay, write_config
+from .replica_values import ReplicaGather, replicated_value
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
 from .diagnostics import router_drift
 from .groups import make_groups
@@ -50,13 +50,6 @@ def global_model(state: TrainState) -> Transformer:
 def eval_loss(state: TrainState, tokens) -> jax.Array:
     """Mean next-token cross entropy of the global model on `tokens` (no auxiliary losses)."""
     return lm_loss(global_model(state), tokens)[1]["ce"]
-
-
-def host_array(x: jax.Array) -> np.ndarray:
-    """The global value of `x` on this host, also when other processes hold some of its shards."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -127,6 +120,7 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, P("diloco", "data"))
         self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, P()))
         self.pending: dict[int, PendingSync] = {}  # launched syncs by group, not yet installed
+        self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
         ck = config.checkpoint
         self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)
 
@@ -190,7 +184,7 @@ class Trainer:
         """
         for group in sorted(self.pending):
             state, finite = self.outer.install(state, self.pending.pop(group))
-            self._check_finite(int(state.step), "outer gradient", host_array(finite))
+            self._check_finite(int(replicated_value(state.step)), "outer gradient", self.gather({"f": finite})["f"])
         return state
 
     # -- the loop -----------------------------------------------------------------------
@@ -278,7 +272,7 @@ class Trainer:
         }
 
     def _evaluate(self, state: TrainState, t: int, log: MetricsLog, display: ProgressDisplay | None) -> float:
-        value = float(eval_loss(state, self.eval_tokens))
+        value = float(replicated_value(eval_loss(state, self.eval_tokens)))
         log.write({"step": t, "eval_loss": value})
         if display is not None:
             display.log(f"step {t:>6}  eval_loss {value:.4f}")
@@ -287,10 +281,13 @@ class Trainer:
     def _emit(self, pending, log, display, tokens_per_step, last_time, last_step):
         """Read step t's metrics (already computed), check them, log them. Returns the new timer."""
         t = pending["step"]
-        m = jax.tree.map(host_array, pending["metrics"])
+        arrays = dict(pending["metrics"])
+        if pending["finite"] is not None:
+            arrays["sync_finite"] = pending["finite"]
+        m = self.gather(arrays)
         self._check_finite(t, "loss", m["finite"])
         if pending["finite"] is not None:
-            self._check_finite(t, "outer gradient", host_array(pending["finite"]))
+            self._check_finite(t, "outer gradient", m["sync_finite"])
         event = pending["synced"] is not None or pending["applied"] is not None or pending["router_drift"] is not None
         if t % self.config.train.log_every and t != self.config.train.steps and not event:
             return last_time, last_step
@@ -314,13 +311,13 @@ class Trainer:
         if bad:
             record["skipped_replicas"] = bad
         if pending["finite"] is not None:
-            outer_bad = [r for r, ok in enumerate(host_array(pending["finite"])) if not ok]
+            outer_bad = [r for r, ok in enumerate(m["sync_finite"]) if not ok]
             if outer_bad:
                 record["skipped_sync_replicas"] = outer_bad
         if "expert_usage" in m:
             record.update(self._moe_metrics(m))
         if pending["router_drift"] is not None:
-            record["router_drift"] = float(host_array(pending["router_drift"]))
+            record["router_drift"] = float(replicated_value(pending["router_drift"]))
         log.write(record)
         status = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s"
         display.update(t, status)
