@@ -23,14 +23,14 @@ from . import schedule
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
+from .diagnostics import router_drift
 from .fragments import Fragmenter
+from .groups import make_groups
 from .mesh import make_meshes
 from .metrics import MetricsLog, ProgressDisplay, write_config
-from .replica_values import ReplicaGather, replicated_value
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
-from .diagnostics import router_drift
-from .groups import make_groups
 from .outer import OuterSync, PendingSync, sync_nbytes
+from .replica_values import ReplicaGather, replicated_value
 from .state import TrainState, build_state, init_state, state_shardings
 from .step import make_inner_step
 

@@ -1,4 +1,6 @@
 import dataclasses
+import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -7,6 +9,15 @@ import jax
 jax.config.update("jax_num_cpu_devices", 12)
 # Every implicit dtype promotion is a bug in this code base: make it an error in tests.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Many tests build trainers of the same tiny shapes, and subprocess tests start the same
+# programs again: one persistent compilation cache for the session (and its subprocesses)
+# compiles each program once. A cache hit is the same executable, so results are unchanged.
+_cache = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="eqx_diloco_test_cache_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", _cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import pytest  # noqa: E402
 
