@@ -41,6 +41,14 @@ def setup_jax(num_devices: int, *, compile_cache: str | os.PathLike | None = Non
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+def add_mode_flags(parser) -> None:
+    """--quick (the default) / --full / --smoke, stored in `args.mode`."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", dest="mode", action="store_const", const="quick", help="the default")
+    group.add_argument("--full", dest="mode", action="store_const", const="full")
+    group.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tests only")
+
+
 def machine_info() -> dict[str, Any]:
     import jax
 

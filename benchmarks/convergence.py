@@ -302,10 +302,7 @@ def replot(json_path: pathlib.Path, out_dir: pathlib.Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--quick", dest="mode", action="store_const", const="quick", help="the default")
-    group.add_argument("--full", dest="mode", action="store_const", const="full")
-    group.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tests only")
+    common.add_mode_flags(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="average over these seeds")
     parser.add_argument("--steps", type=int, default=None, help="override the mode's step count")
     parser.add_argument("--lr", type=float, default=None, help="override the inner AdamW peak learning rate")

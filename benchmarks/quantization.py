@@ -199,10 +199,7 @@ def report(rows, noise, setting: str, mode: str, seed: int = 0) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--quick", dest="mode", action="store_const", const="quick", help="the default")
-    group.add_argument("--full", dest="mode", action="store_const", const="full")
-    group.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tests only")
+    common.add_mode_flags(parser)
     parser.add_argument("--formats", nargs="+", default=None, metavar="FMT",
                         help="subset of formats, e.g. none int4 int4+ef (float32 = none, always run first)")
     parser.add_argument("--sync-period", type=int, default=None, help="H (default: 10; 50 with --fragments > 1)")

@@ -249,6 +249,15 @@ class Checkpointer:
         self.manager.reload()  # another process (or a kill) may have changed the folder
         return sorted(self.manager.all_steps(), reverse=True)
 
+    def _candidates(self, step: int | None) -> list[int]:
+        """The steps to try restoring, newest first: all of them, or just `step` (which must exist)."""
+        steps = self.steps()
+        if step is None:
+            return steps
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (found {sorted(steps)})")
+        return [step]
+
     # -- save -----------------------------------------------------------------------------
 
     def save(self, step: int, state: PyTree, config: Config) -> None:
@@ -338,11 +347,7 @@ class Checkpointer:
         Raises `ConfigError` if the newest readable checkpoint was written by an incompatible
         config, and `CheckpointError` if checkpoints exist but none restores.
         """
-        steps = self.steps()
-        if step is not None:
-            if step not in steps:
-                raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (found {sorted(steps)})")
-            steps = [step]
+        steps = self._candidates(step)
         if not steps:
             return None
         corrupt: list[tuple[int, str]] = []
@@ -385,11 +390,7 @@ class Checkpointer:
         checkpoint whose leaves restore and match their checksums (or `step`).
         Returns (step, saved config JSON, prefix, {path: array}).
         """
-        steps = self.steps()
-        if step is not None:
-            if step not in steps:
-                raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (found {sorted(steps)})")
-            steps = [step]
+        steps = self._candidates(step)
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         failures = []
