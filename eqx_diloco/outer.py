@@ -29,6 +29,7 @@ from jaxtyping import Array
 from . import quantize
 from .groups import ParamGroup
 from .state import TrainState
+from .step import all_finite
 
 PyTree = Any
 
@@ -49,9 +50,6 @@ def _split(flat: Array, like: list[Array]) -> list[Array]:
     return jnp.split(flat, offsets)
 
 
-def _all_finite(values: list[Array]) -> Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
-
 
 def mean_outer_gradient(
     mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, gather: bool = False
@@ -69,7 +67,7 @@ def mean_outer_gradient(
         deltas = [g - r[0] for g, r in zip(global_values, replica_values)]
         if error_feedback:
             deltas = [d + e[0] for d, e in zip(deltas, residuals)]
-        finite = _all_finite(deltas)
+        finite = all_finite(deltas)
         weight = finite.astype(jnp.float32) if skip_nonfinite else jnp.float32(1.0)
         if fmt == "none" and not gather:
             # Lossless: a float32 psum of each replica's delta (zeroed if it is skipped).

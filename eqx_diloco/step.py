@@ -29,7 +29,8 @@ def _unsqueeze(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
 
-def _all_finite(tree) -> Array:
+def all_finite(tree) -> Array:
+    """Whether every element of every leaf of `tree` is finite (a scalar bool)."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
@@ -68,7 +69,7 @@ def make_inner_step(
         with jax.numpy_dtype_promotion("standard"):  # optax's bias correction computes float ** int32
             updates, new_opt_state = inner_opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        finite = jnp.isfinite(loss) & _all_finite(grads)
+        finite = jnp.isfinite(loss) & all_finite(grads)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)

@@ -285,9 +285,8 @@ class Trainer:
         if pending["finite"] is not None:
             arrays["sync_finite"] = pending["finite"]
         m = self.gather(arrays)
-        self._check_finite(t, "loss", m["finite"])
-        if pending["finite"] is not None:
-            self._check_finite(t, "outer gradient", m["sync_finite"])
+        skipped = self._check_finite(t, "loss", m["finite"])
+        skipped_sync = self._check_finite(t, "outer gradient", m["sync_finite"]) if "sync_finite" in m else []
         event = pending["synced"] is not None or pending["applied"] is not None or pending["router_drift"] is not None
         if t % self.config.train.log_every and t != self.config.train.steps and not event:
             return last_time, last_step
@@ -307,13 +306,10 @@ class Trainer:
             "synced_fragment": pending["synced"],
             "applied_fragment": pending["applied"],
         }
-        bad = [r for r, ok in enumerate(m["finite"]) if not ok]
-        if bad:
-            record["skipped_replicas"] = bad
-        if pending["finite"] is not None:
-            outer_bad = [r for r, ok in enumerate(m["sync_finite"]) if not ok]
-            if outer_bad:
-                record["skipped_sync_replicas"] = outer_bad
+        if skipped:
+            record["skipped_replicas"] = skipped
+        if skipped_sync:
+            record["skipped_sync_replicas"] = skipped_sync
         if "expert_usage" in m:
             record.update(self._moe_metrics(m))
         if pending["router_drift"] is not None:
