@@ -94,6 +94,8 @@ class DataConfig:
     """share of the tokens held out for evaluation (taken from the end)."""
     max_corpus_bytes: int = 8_000_000
     """cap on the embedded corpus size."""
+    split: Literal["contiguous", "iid"] = "contiguous"
+    """how replicas share the train split: `contiguous` (replica r samples only its own r-th contiguous share, like islands with their own data) or `iid` (every replica samples windows from the whole train split)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +210,7 @@ def validate(config: Config) -> None:
         f"--train.batch-size must be divisible by --mesh.data (got {t.batch_size} and {config.mesh.data})",
     )
     _require(0 < data.eval_fraction < 1, f"--data.eval-fraction must be in (0, 1) (got {data.eval_fraction})")
+    _require(data.split in ("contiguous", "iid"), f"--data.split must be contiguous or iid (got {data.split})")
     if data.source in ("text", "tokens"):
         _require(data.path is not None, f"--data.path is required with --data.source {data.source}")
         _require(data.path.exists(), f"--data.path does not exist: {data.path}")

@@ -92,11 +92,15 @@ class TokenBatches:
     **Arguments:**
 
     - `tokens`: all tokens (uint16).
-    - `num_replicas`: R; replica r reads only the r-th contiguous share of the train split.
+    - `num_replicas`: R; with `split="contiguous"` replica r reads only the r-th contiguous
+      share of the train split.
     - `batch_size`: sequences per replica per step.
     - `seq_len`: tokens per sequence (windows hold seq_len + 1 tokens).
     - `eval_fraction`: share of tokens held out (from the end) for evaluation.
     - `seed`: seed of the window positions.
+    - `split`: `"contiguous"` (replica r samples windows inside its own r-th share of the
+      train split: islands with their own data) or `"iid"` (every replica samples windows
+      from the whole train split, each with its own random stream).
     """
 
     def __init__(
@@ -108,11 +112,16 @@ class TokenBatches:
         seq_len: int,
         eval_fraction: float,
         seed: int,
+        split: str = "contiguous",
     ):
-        split = int(len(tokens) * (1.0 - eval_fraction))
-        self.train, self.held_out = tokens[:split], tokens[split:]
+        if split not in ("contiguous", "iid"):
+            raise ConfigError(f"--data.split must be contiguous or iid (got {split})")
+        end = int(len(tokens) * (1.0 - eval_fraction))
+        self.train, self.held_out = tokens[:end], tokens[end:]
         self.num_replicas, self.batch_size, self.seq_len, self.seed = num_replicas, batch_size, seq_len, seed
-        self.share = len(self.train) // num_replicas
+        self.split = split
+        # The region replica r samples from: its own share, or the whole train split.
+        self.share = len(self.train) // num_replicas if split == "contiguous" else len(self.train)
         window = seq_len + 1
         if self.share < window:
             raise ConfigError(
@@ -130,7 +139,8 @@ class TokenBatches:
         out = np.empty((self.num_replicas, self.batch_size, window), np.int32)
         for r in range(self.num_replicas):
             rng = np.random.default_rng([self.seed, r, step])
-            starts = r * self.share + rng.integers(0, self.share - window + 1, self.batch_size)
+            offset = r * self.share if self.split == "contiguous" else 0
+            starts = offset + rng.integers(0, self.share - window + 1, self.batch_size)
             out[r] = self.train[starts[:, None] + np.arange(window)]
         return out
 
