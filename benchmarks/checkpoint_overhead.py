@@ -130,7 +130,7 @@ def in_process(train_args: list[str], every: int, rounds: int, saves: int, workd
         total.append(time.perf_counter() - start)
     size = dir_bytes(checkpointer.directory / str(step))
     start = time.perf_counter()
-    restored = checkpointer.restore_latest(trainer.abstract_state, trainer.shardings, config)
+    restored = checkpointer.restore_latest(trainer.abstract_state, trainer.shardings, trainer.resume_check)
     jax.block_until_ready(restored[0])
     restore_s = time.perf_counter() - start
     checkpointer.close()

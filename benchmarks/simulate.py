@@ -192,7 +192,7 @@ def real_model(
     if len(itemsizes) != 1:
         raise ValueError(f"params of mixed dtype sizes {sorted(itemsizes)}: cannot count values from bytes")
     itemsize = itemsizes.pop()
-    frag = Fragmenter(config.num_layers, num_fragments, pattern)
+    frag = Fragmenter.for_model(abstract, lambda m: m.blocks, num_fragments, pattern)
     chunks = []
     for f in range(num_fragments):
         values = frag.nbytes(abstract, f) / itemsize

@@ -23,125 +23,24 @@ them, is reported, moved aside as `<step>.corrupt`, and the previous one is used
 """
 
 import dataclasses
-import json
 import sys
-import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from . import schedule
-from .config import Config, ConfigError
+from ._errors import ConfigError
 from .metrics import to_jsonable
 
 PyTree = Any
 
 FORMAT = 1  # bump when the layout of `meta` or of the state keys changes
 
-# Config fields that change the shape or meaning of the saved state. Anything else
-# (steps, logging, evaluation, learning rate, data, mesh) may change on resume.
-_STATE_DEFINING = {
-    "algorithm": "--algorithm",
-    "model": "--model",
-    "diloco.num_replicas": "--diloco.num-replicas",
-    "diloco.num_fragments": "--diloco.num-fragments",
-    "diloco.fragment_pattern": "--diloco.fragment-pattern",
-    "diloco.error_feedback": "--diloco.error-feedback",
-    "diloco.quantize": "--diloco.quantize",
-    "diloco.router_sync_period": "--diloco.router-sync-period",
-}
-
-
 class CheckpointError(ConfigError):
     """Checkpoints exist but none of them can be restored (reported like a config error)."""
-
-
-def _lookup(tree: dict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
-
-
-def _with_defaults(saved: Any, defaults: Any) -> Any:
-    """`saved` with the keys it lacks (fields added to the config since) taken from `defaults`."""
-    if not isinstance(saved, dict) or not isinstance(defaults, dict):
-        return saved
-    return {**defaults, **{k: _with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
-
-
-def _flag(prefix: str, key: str) -> str:
-    return f"{prefix}.{key.replace('_', '-')}"
-
-
-def _in_flight(step: int, sync_period: int, num_fragments: int, overlap_steps: int) -> list[tuple[int, int]]:
-    """(fragment, sync step) of every sync whose merge is still due after step `step`."""
-    out = []
-    for s in range(max(1, step - overlap_steps + 1), step + 1):
-        p = schedule.synced_fragment(s, sync_period, num_fragments)
-        if p is not None and s + overlap_steps > step:
-            out.append((p, s))
-    return out
-
-
-def incompatibility(saved: dict, current: Config, step: int | None = None) -> str | None:
-    """A one-line reason why a checkpoint written with config `saved` can't resume `current`.
-
-    `step` (the checkpoint's step) enables the check that the sync schedule is not changed
-    while a fragment's sync is in flight.
-    """
-    now = to_jsonable(current)
-    saved = _with_defaults(saved, to_jsonable(Config()))
-    for dotted, flag in _STATE_DEFINING.items():
-        old, new = _lookup(saved, dotted), _lookup(now, dotted)
-        if old != new:
-            if isinstance(old, dict):
-                diffs = [f"{_flag(flag, k)} {old.get(k)} -> {new.get(k)}" for k in {**old, **new}
-                         if old.get(k) != new.get(k)]
-                return "checkpoint is incompatible with this config: " + ", ".join(diffs)
-            return f"checkpoint is incompatible with this config: {flag} {old} -> {new}"
-    if now["algorithm"] != "diloco":
-        return None
-    old_d, new_d = saved["diloco"], now["diloco"]
-    if (old_d["outer_momentum"] == 0) != (new_d["outer_momentum"] == 0):
-        return (
-            "checkpoint is incompatible with this config: --diloco.outer-momentum "
-            f"{old_d['outer_momentum']} -> {new_d['outer_momentum']} (turning momentum on or off changes the "
-            "outer optimizer state)"
-        )
-    changed = [k for k in ("sync_period", "overlap_steps") if old_d[k] != new_d[k]]
-    if changed and step is not None:
-        P = new_d["num_fragments"]
-        before = _in_flight(step, old_d["sync_period"], P, old_d["overlap_steps"])
-        after = _in_flight(step, new_d["sync_period"], P, new_d["overlap_steps"])
-        if before != after:
-            p, s = (before or after)[0]
-            diffs = ", ".join(f"{_flag('--diloco', k)} {old_d[k]} -> {new_d[k]}" for k in changed)
-            return (
-                f"checkpoint is incompatible with this config: {diffs} while the sync of fragment {p} "
-                f"(step {s}) is in flight at checkpoint step {step}; resume with the old schedule past step "
-                f"{step + max(old_d['overlap_steps'], new_d['overlap_steps'])} first"
-            )
-    return None
-
-
-def config_from_dict(data: dict, cls: type = Config) -> Any:
-    """Rebuild a config dataclass from its JSON form (`metrics.to_jsonable`); unknown keys are ignored."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        if field.name not in data:
-            continue
-        value, hint = data[field.name], hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            value = config_from_dict(value, hint)
-        elif value is not None and Path in (typing.get_args(hint) or (hint,)):
-            value = Path(value)
-        kwargs[field.name] = value
-    return cls(**kwargs)
 
 
 # -- checksums ---------------------------------------------------------------------------
@@ -260,8 +159,12 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------------
 
-    def save(self, step: int, state: PyTree, config: Config) -> None:
-        """Start an asynchronous save of `state` at `step` (returns once arrays are copied)."""
+    def save(self, step: int, state: PyTree, metadata: Any = None) -> None:
+        """Start an asynchronous save of `state` at `step` (returns once arrays are copied).
+
+        `metadata` (a dict, or a dataclass such as the CLI's `Config`) is stored as JSON beside
+        the arrays and handed to the `check` of `restore_latest`.
+        """
         if self.every <= 0 or self.read_only:
             return
         leaves = jax.tree.leaves(state)
@@ -276,7 +179,7 @@ class Checkpointer:
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave({str(i): x for i, x in enumerate(leaves)}),
-                config=ocp.args.JsonSave(to_jsonable(config)),
+                config=ocp.args.JsonSave(to_jsonable(metadata if metadata is not None else {})),
                 meta=ocp.args.JsonSave(meta),
             ),
         )
@@ -336,7 +239,14 @@ class Checkpointer:
                 raise ValueError(f"checksum mismatch in state{meta['paths'][i]}")
         return jax.tree.unflatten(treedef, values)
 
-    def restore_latest(self, abstract_state: PyTree, shardings: PyTree, config: Config, *, step: int | None = None):
+    def restore_latest(
+        self,
+        abstract_state: PyTree,
+        shardings: PyTree,
+        check: Callable[[dict, int], str | None] | None = None,
+        *,
+        step: int | None = None,
+    ):
         """(state, step) from the newest checkpoint that restores intact, or None if there is none.
 
         Every array is placed on its sharding from `shardings` (a tree like `abstract_state`).
@@ -344,8 +254,11 @@ class Checkpointer:
         older one restores, the skipped ones are moved aside to `<step>.corrupt` (so the run
         can write those steps again). `step` restores that checkpoint only.
 
-        Raises `ConfigError` if the newest readable checkpoint was written by an incompatible
-        config, and `CheckpointError` if checkpoints exist but none restores.
+        `check(saved_metadata, step)` returns a one-line reason why the checkpoint cannot
+        resume this run, or None (the CLI passes `resume.incompatibility`).
+
+        Raises `ConfigError` if `check` refuses the newest readable checkpoint, and
+        `CheckpointError` if checkpoints exist but none restores.
         """
         steps = self._candidates(step)
         if not steps:
@@ -358,7 +271,7 @@ class Checkpointer:
                 corrupt.append((s, _first_line(e)))
                 self._report(s, corrupt[-1][1])
                 continue
-            problem = incompatibility(saved_config, config, s)
+            problem = None if check is None else check(saved_config, s)
             if problem is not None:
                 raise ConfigError(f"{problem} (checkpoint step {s} in {self.directory})")
             try:
@@ -458,14 +371,3 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.close()
             self._manager = None
-
-
-def read_run_config(run_dir: Path) -> Config:
-    """The config a run was started with (`<run_dir>/config.json`)."""
-    path = Path(run_dir) / "config.json"
-    try:
-        return config_from_dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise ConfigError(f"{run_dir} is not a run folder: {path} does not exist") from None
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
-        raise ConfigError(f"{path} is not a valid config ({_first_line(e)})") from None

@@ -1,17 +1,16 @@
 """Configuration dataclasses (the CLI is generated from them by tyro) and their validation."""
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Literal
 
 from models import TransformerConfig
 
+from ._errors import ConfigError
+
 Algorithm = Literal["diloco", "ddp"]
 QuantizeFormat = Literal["none", "bf16", "fp8", "int8", "int4", "e3m0"]
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration mistake. Its message is one line naming the flag and the rule."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +86,7 @@ class DataConfig:
     """Where tokens come from."""
 
     source: Literal["corpus", "text", "tokens", "synthetic"] = "corpus"
-    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a flat binary file of uint16 token ids) or `synthetic` (a learnable pattern, for tests)."""
+    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a flat binary file of uint16 or uint32 token ids, memory-mapped, with `<file>.json` giving its dtype and vocab_size, as written by `python -m eqx_diloco.prepare`) or `synthetic` (a learnable pattern, for tests)."""
     path: Path | None = None
     """the file or folder for `text` and `tokens`."""
     eval_fraction: float = 0.05
@@ -147,6 +146,8 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     dist: DistributedConfig = DistributedConfig()
+    compile_cache: bool = True
+    """keep compiled programs in JAX's persistent compilation cache ($JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/eqx_diloco/jax, else ~/.cache/eqx_diloco/jax), so the next run of the same config starts training sooner; `--no-compile-cache` compiles everything afresh."""
 
 
 def _require(condition: bool, message: str) -> None:
@@ -172,8 +173,25 @@ def validate(config: Config) -> None:
         ("--train.log-every", t.log_every),
         ("--train.eval-sequences", t.eval_sequences),
         ("--mesh.data", config.mesh.data),
+        ("--data.max-corpus-bytes", data.max_corpus_bytes),
+        ("--dist.heartbeat-timeout-s", config.dist.heartbeat_timeout_s),
     ]:
         _require(value >= 1, f"{flag} must be >= 1 (got {value})")
+    for flag, value in [
+        ("--train.lr", t.lr),
+        ("--diloco.outer-lr", d.outer_lr),
+        ("--train.weight-decay", t.weight_decay),
+        ("--train.grad-clip", t.grad_clip),
+        ("--diloco.alpha", d.alpha),
+        ("--model.rope-base", m.rope_base),
+        ("--model.aux-loss-weight", m.aux_loss_weight),
+    ]:
+        _require(math.isfinite(value), f"{flag} must be a finite number (got {value})")
+    _require(str(config.run_dir) not in ("", "."), "--run-dir must name a folder (got an empty path or '.')")
+    _require(t.seed >= 0, f"--train.seed must be >= 0 (got {t.seed})")
+    _require(0 <= t.b1 < 1, f"--train.b1 must be in [0, 1) (got {t.b1})")
+    _require(0 <= t.b2 < 1, f"--train.b2 must be in [0, 1) (got {t.b2})")
+    _require(m.rope_base > 0, f"--model.rope-base must be > 0 (got {m.rope_base})")
     for flag, value in [
         ("--train.lr", t.lr),
         ("--diloco.outer-lr", d.outer_lr),
@@ -214,6 +232,16 @@ def validate(config: Config) -> None:
     if data.source in ("text", "tokens"):
         _require(data.path is not None, f"--data.path is required with --data.source {data.source}")
         _require(data.path.exists(), f"--data.path does not exist: {data.path}")
+        _require(
+            data.path.is_file() or (data.source == "text" and data.path.is_dir()),
+            f"--data.path must be a regular file{' or a folder' if data.source == 'text' else ''} "
+            f"(not a device, FIFO or socket): {data.path}",
+        )
+    else:
+        _require(
+            data.path is None,
+            f"--data.path is only read with --data.source text or tokens (got --data.source {data.source})",
+        )
 
     nproc = config.dist.num_processes
     if nproc is not None:

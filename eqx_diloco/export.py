@@ -1,16 +1,16 @@
-"""`python -m eqx_diloco.export RUN_DIR OUT`: write a run's global model alone, for evaluation or sampling.
+"""`python -m eqx_diloco.export RUN_DIR [OUT]`: write a run's global model alone, for evaluation or sampling.
 
 The global model is theta_g for DiLoCo / Streaming DiLoCo and replica 0 for ddp (all its
 replicas are equal). It is read from the newest intact checkpoint of the run (the leaves of
 that model only: no mesh, no training devices, no optimizer state), and written as
 
-- `OUT`: the model's arrays (`equinox.tree_serialise_leaves`);
+- `OUT` (default `RUN_DIR/model.eqx`): the model's arrays (`equinox.tree_serialise_leaves`);
 - `OUT.json`: the `TransformerConfig` and where the model came from.
 
 Load it with `load_model(OUT)`, a plain `models.Transformer`:
 
     from eqx_diloco.export import load_model
-    model = load_model("model.eqx")
+    model = load_model("runs/default/model.eqx")
     logits = model(tokens)            # tokens: int32 (seq,)
 
 Sample from it with `python -m eqx_diloco.sample OUT --prompt "def "`.
@@ -30,7 +30,8 @@ import numpy as np
 
 from models import Transformer, TransformerConfig
 
-from .checkpoint import Checkpointer, CheckpointError, leaf_paths, config_from_dict, read_run_config
+from .checkpoint import Checkpointer, CheckpointError, leaf_paths
+from .resume import config_from_dict, read_run_config
 from .config import Config, ConfigError
 from .metrics import to_jsonable
 
@@ -104,9 +105,25 @@ def save_model(path: Path | str, model: Transformer, info: dict[str, Any] | None
 def load_model(path: Path | str) -> Transformer:
     """The `models.Transformer` written by `export` / `save_model` at `path`."""
     meta = read_model_info(path)
-    model_config = config_from_dict(meta["model"], TransformerConfig)
-    with Path(path).open("rb") as f:
-        return eqx.tree_deserialise_leaves(f, _abstract_model(model_config))
+    try:
+        model_config = config_from_dict(meta["model"], TransformerConfig)
+        like = _abstract_model(model_config)
+    except Exception as e:  # noqa: BLE001 - any failure means the description is unusable
+        raise ConfigError(f"{config_path(path)} does not describe a valid model ({_first_line(e)})") from None
+    try:
+        with Path(path).open("rb") as f:
+            model = eqx.tree_deserialise_leaves(f, like)
+            trailing = f.read(1)
+    except Exception as e:  # noqa: BLE001 - truncated, random or mismatched bytes
+        raise ConfigError(f"{path} is not the model {config_path(path)} describes ({_first_line(e)})") from None
+    if trailing:
+        raise ConfigError(f"{path} is larger than the model {config_path(path)} describes (mismatched files?)")
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
 
 
 def read_model_info(path: Path | str) -> dict[str, Any]:
@@ -118,13 +135,19 @@ def read_model_info(path: Path | str) -> dict[str, Any]:
         meta = json.loads(config_path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{config_path(path)} is missing (it holds the model's config)") from None
-    if meta.get("format") != FORMAT:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{config_path(path)} is not readable JSON ({_first_line(e)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("model"), dict):
         raise ConfigError(f"{config_path(path)} is not an eqx_diloco model description")
     return meta
 
 
 def export(run_dir: Path | str, out: Path | str, *, step: int | None = None) -> dict[str, Any]:
     """Write the global model of `run_dir`'s newest intact checkpoint (or `step`) to `out`."""
+    out = Path(out)
+    for target, what in [(out, "OUT"), (config_path(out), "OUT.json")]:
+        if target.is_dir():
+            raise ConfigError(f"{what} is an existing folder: {target} (give a file name)")
     model, config, found = restore_global_model(run_dir, step=step)
     info = {
         "step": found,
@@ -144,14 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint, for evaluation or sampling with models.Transformer.",
     )
     parser.add_argument("run_dir", type=Path, help="the run folder (its --run-dir) or its checkpoint folder")
-    parser.add_argument("out", type=Path, help="output file; its config goes to OUT.json")
+    parser.add_argument("out", type=Path, nargs="?", default=None,
+                        help="output file (default: RUN_DIR/model.eqx); its config goes to OUT.json")
     parser.add_argument("--step", type=int, default=None, help="export this checkpoint step (default: newest)")
     args = parser.parse_args(argv)
+    if args.out is None:  # beside the run's metrics, not wherever the command happens to run
+        args.out = args.run_dir / "model.eqx"
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only folders
     try:
         info = export(args.run_dir, args.out, step=args.step)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: OUT cannot be written: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     print(f"exported the global model of {args.run_dir} at step {info['step']} to {args.out} "
           f"(config in {config_path(args.out)})")

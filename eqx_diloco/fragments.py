@@ -6,13 +6,14 @@ layer axis. With P = 1 there is a single fragment holding every leaf.
 
 A fragment's values are a flat list of arrays, in tree-flatten order. That is all an
 optax optimizer, a psum or a quantizer needs, and it keeps the slicing in one place.
-The layer stack is found through the model's `layer_stack` class attribute, never by
-matching parameter names. Everything here works on concrete arrays, tracers and
+The layer stack is named by the user with a `layers` selector in the `eqx.tree_at`
+spirit (`lambda model: model.blocks`, or a tuple of such nodes), never by matching
+parameter names. Everything here works on concrete arrays, tracers and
 `jax.ShapeDtypeStruct`s, with or without a leading replica axis (`layer_axis=1`).
 """
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import equinox as eqx
 import jax
@@ -35,13 +36,38 @@ def layer_groups(num_layers: int, num_fragments: int, pattern: Literal["strided"
     return [np.arange(g * size, (g + 1) * size) for g in range(groups)]
 
 
-def stack_mask(tree: PyTree) -> list[bool]:
-    """Per leaf of `tree` (flatten order): True where the leaf lives in the layer stack."""
+def stack_flags(tree: PyTree, layers: Callable[[PyTree], Any] | None) -> tuple[tuple[bool, ...], int]:
+    """Per leaf of `tree` (flatten order), whether it lives in the layer stack; and the stack depth.
+
+    **Arguments:**
+
+    - `tree`: the model's parameters (array leaves; may be abstract).
+    - `layers`: a selector returning the stacked layer module(s) of `tree` (a node or a
+      tuple of nodes, as for `eqx.tree_at`), or None for a model without a layer stack.
+
+    **Returns:** `(flags, num_layers)`; with `layers=None`, all flags are False and
+    `num_layers` is 0. Raises `ValueError` naming `layers` when the selection is not a set
+    of arrays with one common leading (layer) axis.
+    """
+    leaves = jax.tree.leaves(tree)
+    if layers is None:
+        return (False,) * len(leaves), 0
     false = jax.tree.map(lambda _: False, tree)
-    mask = eqx.tree_at(
-        lambda m: getattr(m, m.layer_stack), false, replace_fn=lambda s: jax.tree.map(lambda _: True, s)
-    )
-    return jax.tree.leaves(mask)
+    try:
+        mask = eqx.tree_at(layers, false, replace_fn=lambda s: jax.tree.map(lambda _: True, s))
+    except Exception as e:  # a selector that does not name a node of the tree
+        raise ValueError(f"layers= does not select a node of the model ({type(e).__name__}: {e})") from None
+    flags = tuple(bool(f) for f in jax.tree.leaves(mask))
+    if len(flags) != len(leaves):
+        raise ValueError("layers= must select modules made of arrays (it selected a non-array leaf)")
+    depths = {x.shape[0] if len(x.shape) else None for x, f in zip(leaves, flags) if f}
+    if not depths:
+        raise ValueError("layers= selected no arrays; use layers=None for a model without a layer stack")
+    if len(depths) != 1 or None in depths:
+        raise ValueError(
+            f"layers= must select arrays with a common leading (layer) axis; got leading sizes {sorted(depths, key=str)}"
+        )
+    return flags, depths.pop()
 
 
 def _take(x, index: np.ndarray, axis: int):
@@ -70,12 +96,34 @@ class Fragmenter:
     - `pattern`: `strided` (fragment f holds layers f-1, f-1+(P-1), ...) or `sequential`.
     - `excluded`: optional per-leaf flags (flatten order of the params tree); flagged
       leaves belong to no fragment (MoE router leaves that sync on their own schedule).
+    - `in_stack`: per-leaf flags, True for leaves of the layer stack (see `stack_flags`
+      and `Fragmenter.for_model`). Needed when `num_fragments > 1`.
     """
 
     num_layers: int
     num_fragments: int
     pattern: Literal["strided", "sequential"] = "strided"
     excluded: tuple[bool, ...] | None = None
+    in_stack: tuple[bool, ...] | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        params: PyTree,
+        layers: Callable[[PyTree], Any] | None,
+        num_fragments: int,
+        pattern: Literal["strided", "sequential"] = "strided",
+        excluded: tuple[bool, ...] | None = None,
+    ) -> "Fragmenter":
+        """The fragmenter of a model whose layer stack `layers` selects (see `stack_flags`)."""
+        in_stack, num_layers = stack_flags(params, layers)
+        if num_fragments > 1 and layers is None:
+            raise ValueError(f"num_fragments={num_fragments} needs a layer stack; layers=None allows only 1")
+        if num_fragments > 1 and num_layers % (num_fragments - 1):
+            raise ValueError(
+                f"num_fragments - 1 = {num_fragments - 1} must divide the {num_layers} stacked layers that layers= selects"
+            )
+        return cls(num_layers, num_fragments, pattern, excluded, in_stack)
 
     def __post_init__(self):
         if self.num_fragments < 1:
@@ -92,7 +140,13 @@ class Fragmenter:
 
     def _members(self, tree: PyTree) -> list[tuple[int, bool]]:
         """(leaf position, sliced-from-stack) for every leaf that takes part in any fragment."""
-        in_stack = stack_mask(tree)
+        in_stack = self.in_stack
+        if in_stack is None:
+            if self.num_fragments > 1:
+                raise ValueError("a Fragmenter with num_fragments > 1 needs in_stack flags (use Fragmenter.for_model)")
+            in_stack = (False,) * len(jax.tree.leaves(tree))
+        if len(in_stack) != len(jax.tree.leaves(tree)):
+            raise ValueError(f"in_stack has {len(in_stack)} flags for a tree of {len(jax.tree.leaves(tree))} leaves")
         excluded = self.excluded or (False,) * len(in_stack)
         if len(excluded) != len(in_stack):
             raise ValueError(f"excluded has {len(excluded)} flags for a tree of {len(in_stack)} leaves")

@@ -1,16 +1,15 @@
 """Parameter groups: the sets of parameter slices that sync together.
 
-Streaming DiLoCo's fragments are groups; with `--diloco.router-sync-period K` the MoE
-router parameters form one more group that syncs every K steps, and they are then left
-out of the fragments so no router value takes two outer steps at once.
+Streaming DiLoCo's fragments are groups; with `router_sync_period=K` the leaves a
+`routers` selector flags (MoE router parameters) form one more group that syncs every K
+steps, and they are then left out of the fragments so no value takes two outer steps at once.
 """
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import jax
 
-from .config import Config
 from .fragments import Fragmenter
 
 PyTree = Any
@@ -56,15 +55,26 @@ class LeafGroup:
         return jax.tree.unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, self.flags)])
 
 
-def make_groups(config: Config, model) -> tuple[ParamGroup, ...]:
-    """The groups of a DiLoCo run: P fragments, then the router group if it syncs on its own.
+def make_groups(
+    params: PyTree,
+    *,
+    layers: Callable[[PyTree], Any] | None,
+    num_fragments: int,
+    fragment_pattern: Literal["strided", "sequential"] = "strided",
+    separate: tuple[bool, ...] | None = None,
+) -> tuple[ParamGroup, ...]:
+    """The groups of a DiLoCo run: P fragments, then the `separate` leaves' own group, if any.
 
-    `model` may be abstract (`jax.ShapeDtypeStruct` leaves).
+    **Arguments:**
+
+    - `params`: the model's parameters (may be abstract: `jax.ShapeDtypeStruct` leaves).
+    - `layers`: selector of the layer stack (see `fragments.stack_flags`).
+    - `num_fragments`: P.
+    - `fragment_pattern`: how layers are dealt to fragments 1..P-1.
+    - `separate`: per-leaf flags of leaves that sync on their own schedule (MoE routers).
     """
-    d = config.diloco
-    routers = tuple(jax.tree.leaves(model.router_mask())) if d.router_sync_period else None
-    fragmenter = Fragmenter(config.model.num_layers, d.num_fragments, d.fragment_pattern, excluded=routers)
-    groups: list[ParamGroup] = [FragmentGroup(fragmenter, p) for p in range(d.num_fragments)]
-    if routers is not None:
-        groups.append(LeafGroup(routers))
+    fragmenter = Fragmenter.for_model(params, layers, num_fragments, fragment_pattern, excluded=separate)
+    groups: list[ParamGroup] = [FragmentGroup(fragmenter, p) for p in range(num_fragments)]
+    if separate is not None:
+        groups.append(LeafGroup(separate))
     return tuple(groups)

@@ -9,35 +9,58 @@ devices is a local copy.
 """
 
 import os
+from typing import TYPE_CHECKING, Literal
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from .config import Config, ConfigError
+from ._errors import ConfigError
+
+if TYPE_CHECKING:  # the CLI's config; the library core never needs it at run time
+    from .config import Config
 
 AXES = ("diloco", "data")
 
 
-def process_layout(config: Config) -> tuple[str | None, int, int]:
+def process_layout(config: "Config") -> tuple[str | None, int, int]:
     """(coordinator address, process count, process id) from flags, else JAX's environment variables."""
     dist = config.dist
     coordinator = dist.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = dist.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    process_id = dist.process_id if dist.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", "0"))
+    num_processes = dist.num_processes or _env_int("JAX_NUM_PROCESSES", 1, "--dist.num-processes")
+    process_id = dist.process_id if dist.process_id is not None else _env_int("JAX_PROCESS_ID", 0, "--dist.process-id")
     return coordinator, num_processes, process_id
 
 
-def wants_comm_device(config: Config) -> bool:
+def _env_int(name: str, default: int, flag: str) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"${name} must be an integer (got {value!r}; or set {flag})") from None
+
+
+def wants_comm_device(config: "Config") -> bool:
     """Whether syncs run on separate communication devices (only with overlap, tau > 0)."""
     d = config.diloco
     return config.algorithm == "diloco" and d.overlap_steps > 0 and d.comm_device != "off"
 
 
-def devices_needed(config: Config) -> int:
+def devices_needed(config: "Config") -> int:
     """Devices per process: `--mesh.data` per local replica, plus one per replica for communication."""
-    _, num_processes, _ = process_layout(config)
-    local_replicas = config.diloco.num_replicas // num_processes
+    _, num_processes, process_id = process_layout(config)
+    R = config.diloco.num_replicas
+    source = "--dist.num-processes" if config.dist.num_processes else "$JAX_NUM_PROCESSES"
+    if num_processes < 1 or R % num_processes:
+        raise ConfigError(
+            f"--diloco.num-replicas must be a multiple of the process count {num_processes} (from {source}; got {R}): "
+            f"every process needs whole replicas"
+        )
+    if not 0 <= process_id < num_processes:
+        raise ConfigError(f"--dist.process-id (or $JAX_PROCESS_ID) must be in [0, {num_processes}) (got {process_id})")
+    local_replicas = R // num_processes
     return local_replicas * (config.mesh.data + int(wants_comm_device(config)))
 
 
@@ -55,7 +78,7 @@ def ensure_cpu_devices(count: int) -> None:
         pass  # backends already exist (tests, notebooks); make_meshes checks the count
 
 
-def setup_devices(config: Config) -> None:
+def setup_devices(config: "Config") -> None:
     """Set the local device count and, for several processes, join the distributed runtime."""
     coordinator, num_processes, process_id = process_layout(config)
     ensure_cpu_devices(devices_needed(config))
@@ -72,18 +95,34 @@ def setup_devices(config: Config) -> None:
         )
 
 
-def make_meshes(config: Config) -> tuple[Mesh, Mesh | None]:
-    """The compute mesh (R, data) and, with overlap on CPU, the communication mesh (R, 1).
+def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
+    """The CLI's meshes: `build_meshes` from the config's flags."""
+    d = config.diloco
+    overlapped = config.algorithm == "diloco" and d.overlap_steps > 0
+    return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off")
+
+
+def build_meshes(
+    num_replicas: int, data: int = 1, *, comm_device: Literal["auto", "on", "off"] = "off"
+) -> tuple[Mesh, Mesh | None]:
+    """The compute mesh (R, data) and, if asked for, the communication mesh (R, 1).
+
+    **Arguments:**
+
+    - `num_replicas`: R, the size of the `diloco` axis; must be divisible by the process count.
+    - `data`: devices per replica on the `data` axis.
+    - `comm_device`: `on` gives every replica one extra communication device; `auto` does
+      so on CPU only (where a second program on the same device would not overlap); `off`.
 
     Axis types are Auto so jit propagates shardings (shard_map then accepts inputs that are
     not already laid out on the mesh).
     """
-    R, D = config.diloco.num_replicas, config.mesh.data
+    R, D = num_replicas, data
     num_processes = jax.process_count()
     if R % num_processes:
         raise ConfigError(f"--diloco.num-replicas must be divisible by the process count (got {R} and {num_processes})")
     local_replicas = R // num_processes
-    comm = wants_comm_device(config) and (config.diloco.comm_device == "on" or jax.default_backend() == "cpu")
+    comm = comm_device == "on" or (comm_device == "auto" and jax.default_backend() == "cpu")
     per_process = local_replicas * (D + int(comm))
     compute_rows, comm_rows = [], []
     for p in range(num_processes):
@@ -92,7 +131,7 @@ def make_meshes(config: Config) -> tuple[Mesh, Mesh | None]:
             raise ConfigError(
                 f"--diloco.num-replicas x (--mesh.data{' + 1 communication device' if comm else ''}) needs "
                 f"{per_process} devices per process, process {p} has {len(devices)} ({devices[0].platform}); "
-                f"on CPU set jax_num_cpu_devices before JAX starts"
+                f"on CPU call jax.config.update('jax_num_cpu_devices', {per_process}) before JAX starts"
             )
         compute_rows.append(np.asarray(devices[: local_replicas * D]).reshape(local_replicas, D))
         comm_rows.append(np.asarray(devices[local_replicas * D : per_process]).reshape(local_replicas, int(comm)))

@@ -27,9 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array
 
 from . import quantize
+from ._tree import all_finite
 from .groups import ParamGroup
 from .state import TrainState
-from .step import all_finite
 
 PyTree = Any
 
@@ -80,6 +80,9 @@ def mean_outer_gradient(
             new_residuals = None
             if error_feedback:
                 residual = flat - quantize.decode(payload, fmt, flat.shape)
+                # A non-finite outer gradient must not leave a NaN residual behind: it would be
+                # added to every later delta of this group and skip the replica forever.
+                residual = jnp.where(finite, residual, jnp.zeros_like(residual))
                 new_residuals = [r.reshape(d.shape)[None] for r, d in zip(_split(residual, deltas), deltas)]
             gathered = jax.lax.all_gather(payload, "diloco", to="invarying")
             decoded = quantize.decode(gathered, fmt, flat.shape)  # (R, n)
@@ -128,14 +131,13 @@ def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
 
 
 @dataclasses.dataclass
-class PendingSync:
+class InFlightSync:
     """A group's sync dispatched on the communication mesh whose result is not installed yet."""
 
     group: int
     outputs: PyTree  # (new global values, new outer state, finite (R,), new residuals)
 
 
-@dataclasses.dataclass(frozen=True)
 class OuterSync:
     """Jitted sync and merge functions for each parameter group.
 
@@ -157,40 +159,45 @@ class OuterSync:
     the result into the state. Both compute the same values.
     """
 
-    mesh: Mesh
-    groups: tuple[ParamGroup, ...]
-    outer_opt: optax.GradientTransformation
-    fmt: str
-    alpha: float
-    skip_nonfinite: bool
-    error_feedback: bool
-    shardings: TrainState
-    comm_mesh: Mesh | None = None
-
-    def __post_init__(self):
+    def __init__(
+        self,
+        *,
+        mesh: Mesh,
+        groups: tuple[ParamGroup, ...],
+        outer_opt: optax.GradientTransformation,
+        fmt: str,
+        alpha: float,
+        skip_nonfinite: bool,
+        error_feedback: bool,
+        shardings: TrainState,
+        comm_mesh: Mesh | None = None,
+    ):
+        self.mesh, self.groups, self.outer_opt, self.fmt, self.alpha = mesh, groups, outer_opt, fmt, alpha
+        self.skip_nonfinite, self.error_feedback = skip_nonfinite, error_feedback
+        self.shardings, self.comm_mesh = shardings, comm_mesh
         flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback)
         exchange = mean_outer_gradient(self.mesh, self.fmt, **flags)
         comm_mesh = self.comm_mesh or self.mesh
         comm_core = self._core(mean_outer_gradient(comm_mesh, self.fmt, **flags))
         jit = lambda f: jax.jit(f, donate_argnums=0, out_shardings=(self.shardings, None))  # noqa: E731
-        fns = dict(sync=[], merge=[], both=[], extract=[], install=[], remote=[])
+        fns = dict(sync=[], merge=[], sync_and_merge=[], extract=[], install=[], launch=[])
         replica, replicated = P("diloco"), P()
         for i, group in enumerate(self.groups):
             sync = self._sync_fn(i, group, self._core(exchange))
             merge = self._merge_fn(group)
             fns["sync"].append(jit(sync))
             fns["merge"].append(jax.jit(merge, donate_argnums=0, out_shardings=self.shardings))
-            fns["both"].append(jit(_then_merge(sync, merge)))
+            fns["sync_and_merge"].append(jit(_then_merge(sync, merge)))
             fns["extract"].append(jax.jit(self._extract_fn(i, group)))
             fns["install"].append(jax.jit(self._install_fn(i, group), donate_argnums=0, out_shardings=self.shardings))
             on_comm = lambda spec: NamedSharding(comm_mesh, spec)  # noqa: E731
-            fns["remote"].append(
+            fns["launch"].append(
                 jax.jit(
                     comm_core,
                     out_shardings=(on_comm(replicated), on_comm(replicated), on_comm(replica), on_comm(replica)),
                 )
             )
-        object.__setattr__(self, "_fns", {k: tuple(v) for k, v in fns.items()})
+        self._fns = {k: tuple(v) for k, v in fns.items()}
 
     def _core(self, exchange):
         """(replica values, global values, outer state, residuals) -> (global, outer state, finite, residuals)."""
@@ -262,23 +269,23 @@ class OuterSync:
 
     def sync_and_merge(self, state: TrainState, group: int) -> tuple[TrainState, Array]:
         """`sync` then `merge` in one program (overlap tau = 0)."""
-        return self._fns["both"][group](state)
+        return self._fns["sync_and_merge"][group](state)
 
-    def launch(self, state: TrainState, group: int) -> PendingSync:
+    def launch(self, state: TrainState, group: int) -> InFlightSync:
         """Dispatch group `group`'s sync on the communication mesh and return without waiting."""
         inputs = self._fns["extract"][group](state)
         if self.comm_mesh is not None:
             inputs = move_to_mesh(inputs, self.mesh, self.comm_mesh)
-        return PendingSync(group, self._fns["remote"][group](*inputs))
+        return InFlightSync(group, self._fns["launch"][group](*inputs))
 
-    def install(self, state: TrainState, pending: PendingSync) -> tuple[TrainState, Array]:
+    def install(self, state: TrainState, in_flight: InFlightSync) -> tuple[TrainState, Array]:
         """Put a launched sync's result into the state (waits for it). Returns (state, finite)."""
-        global_values, outer_state, finite, residuals = pending.outputs
+        global_values, outer_state, finite, residuals = in_flight.outputs
         if self.comm_mesh is not None:
             global_values, outer_state, finite, residuals = move_to_mesh(
                 (global_values, outer_state, finite, residuals), self.comm_mesh, self.mesh
             )
-        return self._fns["install"][pending.group](state, global_values, outer_state, residuals), finite
+        return self._fns["install"][in_flight.group](state, global_values, outer_state, residuals), finite
 
     def nbytes(self, state: TrainState, group: int) -> int:
         """Bytes one replica sends for one sync of `group` (payload and scales)."""

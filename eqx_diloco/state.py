@@ -7,12 +7,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Int, UInt32
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Int, PRNGKeyArray, UInt32
 
-from models import Transformer
-
-from .config import Config
+from ._tree import broadcast_replicas
 from .groups import ParamGroup
 
 PyTree = Any
@@ -22,60 +20,68 @@ REPLICA_FIELDS = ("params", "opt_state", "keys", "residuals")
 
 
 class TrainState(eqx.Module):
-    """Everything training needs to continue, as one PyTree.
+    """Everything training needs to continue, as one PyTree (arrays only).
 
     **Fields:**
 
     - `step`: inner steps completed.
-    - `params`: every replica's model, each leaf with a leading replica axis R.
+    - `params`: every replica's parameters (the array part of the model), each leaf with a
+      leading replica axis R.
     - `opt_state`: every replica's inner optimizer state (leading axis R). Never synced or reset.
     - `keys`: per-replica PRNG key data, shape (R, 2), for dropout.
-    - `global_params`: the outer model theta_g, identical on every replica (None for ddp).
-    - `outer_states`: one outer optimizer state per fragment, over that fragment's values.
-    - `residuals`: per fragment, each replica's quantization residual (error feedback), or None.
+    - `global_params`: the outer parameters theta_g, identical on every replica (None for ddp).
+    - `outer_states`: one outer optimizer state per parameter group, over that group's values.
+    - `residuals`: per group, each replica's quantization residual (error feedback), or None.
     """
 
     step: Int[Array, ""]
-    params: Transformer
+    params: PyTree
     opt_state: PyTree
     keys: UInt32[Array, "replicas 2"]
-    global_params: Transformer | None
+    global_params: PyTree | None
     outer_states: tuple[PyTree, ...]
     residuals: tuple[list[Array], ...] | None
 
 
-def _broadcast(tree: PyTree, n: int) -> PyTree:
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tree)
-
-
 def build_state(
-    config: Config,
+    params: PyTree,
+    *,
+    num_replicas: int,
     groups: tuple[ParamGroup, ...],
     inner_opt: optax.GradientTransformation,
-    outer_opt: optax.GradientTransformation,
+    outer_opt: optax.GradientTransformation | None,
+    error_feedback: bool,
+    key: PRNGKeyArray,
 ) -> TrainState:
-    """A fresh state (unplaced). Every replica starts from the same weights."""
-    R = config.diloco.num_replicas
-    key = jax.random.key(config.train.seed)
-    model_key, replica_key = jax.random.split(key)
-    model = Transformer(config.model, key=model_key)
-    params = _broadcast(model, R)
-    opt_state = jax.vmap(inner_opt.init)(params)
-    keys = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(replica_key, r)))(jnp.arange(R))
-    if config.algorithm == "ddp":
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, keys, None, (), None)
-    values = [group.get(model) for group in groups]
+    """A fresh state (unplaced). Every replica starts from `params`.
+
+    **Arguments:**
+
+    - `params`: the array part of the model (`eqx.filter(model, eqx.is_inexact_array)`).
+    - `num_replicas`: R.
+    - `groups`: the parameter groups that sync (empty for ddp).
+    - `inner_opt`, `outer_opt`: the optimizers (`outer_opt` None for ddp).
+    - `error_feedback`: allocate per-replica quantization residuals.
+    - `key`: folded with each replica index into that replica's dropout key stream.
+    """
+    replica_params = broadcast_replicas(params, num_replicas)
+    opt_state = jax.vmap(inner_opt.init)(replica_params)
+    keys = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(key, r)))(jnp.arange(num_replicas))
+    step = jnp.zeros((), jnp.int32)
+    if outer_opt is None:
+        return TrainState(step, replica_params, opt_state, keys, None, (), None)
+    values = [group.get(params) for group in groups]
     outer_states = tuple(outer_opt.init(v) for v in values)
     residuals = None
-    if config.diloco.error_feedback:
-        residuals = tuple([jnp.zeros((R, *x.shape), x.dtype) for x in v] for v in values)
-    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, keys, model, outer_states, residuals)
+    if error_feedback:
+        residuals = tuple([jnp.zeros((num_replicas, *x.shape), x.dtype) for x in v] for v in values)
+    return TrainState(step, replica_params, opt_state, keys, params, outer_states, residuals)
 
 
 def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     """A tree like `state` holding each leaf's NamedSharding: replica fields over `diloco`."""
-    replica = NamedSharding(mesh, P("diloco"))
-    replicated = NamedSharding(mesh, P())
+    replica = NamedSharding(mesh, PartitionSpec("diloco"))
+    replicated = NamedSharding(mesh, PartitionSpec())
     fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
     return TrainState(
         **{
@@ -85,14 +91,6 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     )
 
 
-def init_state(
-    config: Config,
-    mesh: Mesh,
-    groups: tuple[ParamGroup, ...],
-    inner_opt: optax.GradientTransformation,
-    outer_opt: optax.GradientTransformation,
-) -> TrainState:
-    """Build the initial state directly on its shardings (no host round trip)."""
-    build = lambda: build_state(config, groups, inner_opt, outer_opt)  # noqa: E731
-    shardings = state_shardings(eqx.filter_eval_shape(build), mesh)
-    return jax.jit(build, out_shardings=shardings)()
+def abstract_state(build) -> TrainState:
+    """The shapes and dtypes `build()` would return, without computing anything."""
+    return eqx.filter_eval_shape(build)

@@ -7,63 +7,59 @@ For `ddp` the gradients are averaged over `diloco` too, which keeps all replicas
 """
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import Array, Int
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from models.transformer import lm_loss
-
+from ._tree import all_finite, squeeze_replica, unsqueeze_replica
 from .state import TrainState
 
-
-def _squeeze(tree):
-    return jax.tree.map(lambda x: x[0], tree)
-
-
-def _unsqueeze(tree):
-    return jax.tree.map(lambda x: x[None], tree)
-
-
-def all_finite(tree) -> Array:
-    """Whether every element of every leaf of `tree` is finite (a scalar bool)."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree, PRNGKeyArray], tuple[Float[Array, ""], dict[str, Array]]]
 
 
 def make_inner_step(
     mesh: Mesh,
     inner_opt: optax.GradientTransformation,
+    loss_fn: LossFn,
+    static: PyTree,
     *,
     ddp: bool,
     skip_nonfinite: bool,
-) -> Callable[[TrainState, Int[Array, "replicas batch seq"]], tuple[TrainState, dict[str, Array]]]:
-    """The jitted inner step `(state, tokens) -> (state, metrics)`; `state` is donated.
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Array]]]:
+    """The jitted inner step `(state, batch) -> (state, metrics)`; `state` is donated.
 
     **Arguments:**
 
     - `mesh`: the ("diloco", "data") mesh; one replica per `diloco` index.
     - `inner_opt`: the per-replica optimizer.
+    - `loss_fn`: `loss_fn(model, batch, key) -> (loss, aux)` for one replica's share of
+      the batch on one `data` device; `aux` is a dict of arrays (may be empty).
+    - `static`: the non-array part of the model (`eqx.partition(model, eqx.is_inexact_array)[1]`).
     - `ddp`: average gradients over `diloco` as well (data-parallel baseline).
     - `skip_nonfinite`: a replica whose loss or gradient is not finite keeps its params
       and optimizer state for this step instead of applying garbage.
 
-    `tokens` holds seq_len + 1 tokens per sequence and is sharded P("diloco", "data").
-    `metrics` maps `loss`, `ce`, `grad_norm` and `finite` to (R,) arrays, plus the model's
-    auxiliary outputs (MoE load statistics) with a leading replica axis.
+    `batch` is any pytree whose leaves have shape (R, B, ...), sharded P("diloco", "data").
+    `metrics` maps `loss`, `grad_norm` and `finite` to (R,) arrays, plus `loss_fn`'s aux
+    outputs (averaged over `data`) with a leading replica axis.
     """
 
-    def replica_step(params, opt_state, key_data, tokens):
-        key, dropout_key = jax.random.split(jax.random.wrap_key_data(key_data))
+    def replica_step(params, opt_state, key_data, batch):
+        key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
+        # Each data shard holds different rows of the replica's batch: give it its own key.
+        shard_key = jax.random.fold_in(step_key, jax.lax.axis_index("data"))
 
-        def loss_fn(p):
-            loss, aux = lm_loss(p, tokens, key=dropout_key if p.config.dropout > 0 else None)
+        def objective(p):
+            loss, aux = loss_fn(eqx.combine(p, static), batch, shard_key)
             return jax.lax.pmean(loss, "data"), jax.lax.pmean(aux, "data")
 
-        (loss, aux), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
         if ddp:
             grads = jax.lax.pmean(grads, "diloco")
         with jax.numpy_dtype_promotion("standard"):  # optax's bias correction computes float ** int32
@@ -73,26 +69,25 @@ def make_inner_step(
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
-        metrics = {"loss": loss, "ce": aux.pop("ce"), "grad_norm": optax.tree.norm(grads), "finite": finite}
-        metrics.update(aux)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite, **aux}
         return new_params, new_opt_state, jax.random.key_data(key), metrics
 
-    def shard_step(params, opt_state, key_data, tokens):
+    def shard_step(params, opt_state, key_data, batch):
         # One replica per diloco shard: drop the local replica axis of length 1 and add it back.
-        out = replica_step(_squeeze(params), _squeeze(opt_state), key_data[0], tokens[0])
-        return _unsqueeze(out)
+        out = replica_step(squeeze_replica(params), squeeze_replica(opt_state), key_data[0], squeeze_replica(batch))
+        return unsqueeze_replica(out)
 
-    replica = P("diloco")
+    replica = PartitionSpec("diloco")
     sharded_step = jax.shard_map(
         shard_step,
         mesh=mesh,
-        in_specs=(replica, replica, replica, P("diloco", "data")),
+        in_specs=(replica, replica, replica, PartitionSpec("diloco", "data")),
         out_specs=replica,
     )
 
-    def _step(state: TrainState, tokens):
-        params, opt_state, keys, metrics = sharded_step(state.params, state.opt_state, state.keys, tokens)
+    def step(state: TrainState, batch):
+        params, opt_state, keys, metrics = sharded_step(state.params, state.opt_state, state.keys, batch)
         new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state, keys=keys)
         return new_state, metrics
 
-    return jax.jit(_step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0)

@@ -5,7 +5,6 @@ devices while it formats a log line); only evaluations and the end block.
 """
 
 import dataclasses
-import functools
 import time
 from typing import Any
 
@@ -13,30 +12,24 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models import Transformer
 from models.moe import usage_entropy
 from models.transformer import lm_loss
 
-from . import schedule
+from ._diloco import DiLoCo
+from ._errors import NonFiniteError
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
 from .diagnostics import router_drift
-from .fragments import Fragmenter
-from .groups import make_groups
 from .mesh import make_meshes
 from .metrics import MetricsLog, ProgressDisplay, write_config
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
-from .outer import OuterSync, PendingSync, sync_nbytes
 from .replica_values import ReplicaGather, replicated_value
-from .state import TrainState, build_state, init_state, state_shardings
-from .step import make_inner_step
-
-
-class NonFiniteError(RuntimeError):
-    """A replica produced a NaN/Inf loss or outer gradient under `--train.on-nonfinite stop`."""
+from .resume import incompatibility
+from .state import TrainState
 
 
 def global_model(state: TrainState) -> Transformer:
@@ -57,9 +50,47 @@ def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
 
 
+def lm_objective(dropout: float):
+    """The LM's `loss_fn(model, tokens, key)` for `DiLoCo`: next-token loss (+ MoE aux loss)."""
+
+    def loss_fn(model: Transformer, tokens, key):
+        return lm_loss(model, tokens, key=key if dropout > 0 else None)
+
+    return loss_fn
+
+
+def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
+    """The core `DiLoCo` object the CLI config describes, set up for `abstract_model`'s shape."""
+    d, t = config.diloco, config.train
+    mesh, comm_mesh = make_meshes(config)
+    diloco = config.algorithm == "diloco"
+    core = DiLoCo(
+        loss_fn=lm_objective(config.model.dropout),
+        layers=lambda m: m.blocks,
+        num_replicas=d.num_replicas,
+        sync_period=d.sync_period,
+        inner_optimizer=inner_optimizer(t, abstract_model.weight_decay_mask()),
+        outer_optimizer=outer_optimizer(d),
+        num_fragments=d.num_fragments if diloco else 1,
+        fragment_pattern=d.fragment_pattern,
+        overlap_steps=d.overlap_steps if diloco else 0,
+        alpha=d.alpha if diloco else 0.0,
+        quantize=d.quantize if diloco else "none",
+        error_feedback=d.error_feedback and diloco,
+        routers=lambda m: m.router_mask(),
+        router_sync_period=d.router_sync_period if diloco else 0,
+        on_nonfinite=t.on_nonfinite,
+        algorithm=config.algorithm,
+        mesh=mesh,
+        comm_mesh=comm_mesh,
+    )
+    core.abstract(abstract_model)
+    return core
+
+
 @dataclasses.dataclass
 class Trainer:
-    """Builds everything a run needs from a validated `Config` and runs it.
+    """The CLI's language-model trainer: builds a `DiLoCo` core from a validated `Config` and runs it.
 
     **Arguments:**
 
@@ -74,7 +105,6 @@ class Trainer:
         config = self.config
         validate(config)
         self.is_main = jax.process_index() == 0
-        self.mesh, self.comm_mesh = make_meshes(config)
         d, t = config.diloco, config.train
         self.diloco = config.algorithm == "diloco"
         self.num_fragments = d.num_fragments if self.diloco else 1
@@ -86,114 +116,65 @@ class Trainer:
             seq_len=t.seq_len,
             eval_fraction=config.data.eval_fraction,
             seed=t.seed,
+            split=config.data.split,
         )
-        abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
-        self.groups = make_groups(config, abstract_model) if self.diloco else ()
-        self.fragmenter = self.groups[0].fragmenter if self.diloco else Fragmenter(config.model.num_layers, 1)
-        # With its own sync period, the router group comes after the P fragments.
-        self.router_group = self.num_fragments if self.diloco and d.router_sync_period else None
+        self.abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
+        self.core = make_diloco(config, self.abstract_model)
+        core = self.core
+        self.mesh, self.comm_mesh = core.mesh, core.comm_mesh
+        self.groups, self.router_group, self.group_bytes = core.groups, core.router_group, core.group_bytes
+        self.fragmenter = self.groups[0].fragmenter if self.diloco else None
+        self.abstract_state, self.shardings = core.abstract_state, core.shardings
+        self.inner_step, self.outer = core.inner_step, core.outer
+        self.inner_opt, self.outer_opt = core.inner_optimizer, core.outer_optimizer
+        self.ddp_step_bytes = core.ddp_step_bytes
         self.moe = config.model.kind == "moe"
         if self.moe and self.diloco:
-            flags = tuple(jax.tree.leaves(abstract_model.router_mask()))
-            self.router_drift = jax.jit(lambda params: router_drift(params, flags))
-        self.inner_opt = inner_optimizer(t, abstract_model.weight_decay_mask())
-        self.outer_opt = outer_optimizer(d)
+            flags = tuple(jax.tree.leaves(self.abstract_model.router_mask()))
+            self.router_drift = jax.jit(lambda state: router_drift(state.params, flags))
         self.lr_schedule = inner_schedule(t)
-        abstract_state = eqx.filter_eval_shape(
-            lambda: build_state(config, self.groups, self.inner_opt, self.outer_opt)
-        )
-        self.shardings = state_shardings(abstract_state, self.mesh)
-        self.abstract_state = abstract_state
-        skip = t.on_nonfinite == "skip"
-        self.inner_step = make_inner_step(self.mesh, self.inner_opt, ddp=not self.diloco, skip_nonfinite=skip)
-        self.outer = None
-        param_bytes = sync_nbytes([x.shape for x in jax.tree.leaves(abstract_model)], "none")
-        if self.diloco:
-            self.outer = OuterSync(
-                self.mesh, self.groups, self.outer_opt, d.quantize, d.alpha, skip, d.error_feedback, self.shardings,
-                comm_mesh=self.comm_mesh,
-            )
-            self.group_bytes = [self.outer.nbytes(abstract_state, g) for g in range(len(self.groups))]
-        else:
-            self.group_bytes = []
-        self.ddp_step_bytes = param_bytes  # one full float32 gradient per step
-        self.batch_sharding = NamedSharding(self.mesh, P("diloco", "data"))
-        self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, P()))
-        self.pending: dict[int, PendingSync] = {}  # launched syncs by group, not yet installed
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("diloco", "data"))
+        self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, PartitionSpec()))
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
         ck = config.checkpoint
         self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)
 
-    # -- schedule ---------------------------------------------------------------------
+    # -- thin views of the core, for tests and benchmarks --------------------------------------
 
     def events(self, t: int) -> tuple[int | None, int | None]:
-        """(fragment whose sync starts after step t, fragment merged after step t)."""
-        if not self.diloco:
-            return None, None
-        d = self.config.diloco
-        return (
-            schedule.synced_fragment(t, d.sync_period, self.num_fragments),
-            schedule.applied_fragment(t, d.sync_period, self.num_fragments, d.overlap_steps),
-        )
+        return self.core.events(t)
 
     def sent_bytes_at(self, t: int) -> int:
-        """Bytes one replica sends for synchronisation at step t."""
-        if not self.diloco:
-            return self.ddp_step_bytes
-        synced, _ = self.events(t)
-        sent = 0 if synced is None else self.group_bytes[synced]
-        if self.router_due(t):
-            sent += self.group_bytes[self.router_group]
-        return sent
+        return self.core.sent_bytes_at(t)
 
     def router_due(self, t: int) -> bool:
-        """Whether the router group takes its own outer step after step t."""
-        return self.router_group is not None and schedule.router_synced(t, self.config.diloco.router_sync_period)
+        return self.core.router_due(t)
 
-    def outer_steps(self, state: TrainState, t: int) -> tuple[TrainState, jax.Array | None, int | None, int | None]:
-        """Run the syncs and merges due after step t. Returns (state, finite flags, synced, applied).
-
-        With tau = 0 a sync and its merge are one program. With tau > 0 the sync is launched
-        (on the communication devices, if any) and the host moves on; tau steps later its
-        result is installed and merged. `finite` belongs to the sync that finished here.
-        """
-        synced, applied = self.events(t)
-        finished = []  # (R,) finite flags of the syncs whose results arrived at this step
-        if self.router_due(t):  # routers are small: a blocking sync, merged at once
-            state, finite = self.outer.sync_and_merge(state, self.router_group)
-            finished.append(finite)
-        if synced is not None and synced == applied:  # tau = 0: apply at once
-            state, finite = self.outer.sync_and_merge(state, synced)
-            finished.append(finite)
-        else:
-            if applied is not None:
-                if applied in self.pending:  # else installed early (evaluation, checkpoint) or restored
-                    state, finite = self.outer.install(state, self.pending.pop(applied))
-                    finished.append(finite)
-                state = self.outer.merge(state, applied)
-            if synced is not None:
-                self.pending[synced] = self.outer.launch(state, synced)
-        finite = functools.reduce(jnp.logical_and, finished) if finished else None
-        return state, finite, synced, applied
+    def outer_steps(self, state: TrainState, t: int):
+        return self.core.outer_steps(state, t)
 
     def install_pending(self, state: TrainState) -> TrainState:
-        """Wait for every launched sync and put its result into the state (merges stay scheduled).
-
-        The global params then read as if the syncs had been blocking, which is what an
-        evaluation or a checkpoint must see.
-        """
-        for group in sorted(self.pending):
-            state, finite = self.outer.install(state, self.pending.pop(group))
+        """Settle every in-flight sync (see `DiLoCo.settle`), checking its finite flags."""
+        if not self.diloco:
+            return state
+        state, finished = self.core.settle(state)
+        for finite in finished:
             self._check_finite(int(replicated_value(state.step)), "outer gradient", self.gather({"f": finite})["f"])
         return state
 
     # -- the loop -----------------------------------------------------------------------
 
+    def resume_check(self, saved_config: dict, step: int) -> str | None:
+        """Why a checkpoint written with `saved_config` at `step` cannot resume this run, or None."""
+        return incompatibility(saved_config, self.config, step)
+
     def initial_state(self) -> tuple[TrainState, int]:
-        restored = self.checkpointer.restore_latest(self.abstract_state, self.shardings, self.config)
-        if restored is not None:
-            return restored
-        return init_state(self.config, self.mesh, self.groups, self.inner_opt, self.outer_opt), 0
+        """The newest compatible checkpoint's state, or a fresh one from `--train.seed`."""
+        state = self.core.restore(self.checkpointer, self.abstract_model, check=self.resume_check)
+        if state is not None:
+            return state, int(replicated_value(state.step))
+        model_key, replica_key = jax.random.split(jax.random.key(self.config.train.seed))
+        return self.core.init(Transformer(self.config.model, key=model_key), key=replica_key), 0
 
     def _check_finite(self, t: int, what: str, values: np.ndarray) -> list[int]:
         bad = [r for r, ok in enumerate(values) if not ok]
@@ -234,12 +215,11 @@ class Trainer:
             for step in range(start, t_cfg.steps):
                 t = step + 1
                 tokens = place(self.batches.batch(step), self.batch_sharding)
-                state, metrics = self.inner_step(state, tokens)
-                finite, synced, applied, drift = None, None, None, None
-                if self.diloco:
-                    if self.moe and (self.events(t)[0] is not None or self.router_due(t)):
-                        drift = self.router_drift(state.params)  # how far routers drifted before this sync
-                    state, finite, synced, applied = self.outer_steps(state, t)
+                # How far routers drifted before a sync (MoE only).
+                drift_fn = self.router_drift if self.moe and self.diloco else None
+                state, metrics = self.core.step(state, tokens, before_sync=drift_fn)
+                finite, drift = metrics.pop("sync_finite", None), metrics.pop("before_sync", None)
+                synced, applied = metrics.pop("synced_fragment"), metrics.pop("applied_fragment")
                 sent += self.sent_bytes_at(t)
                 peak = max(peak, self.sent_bytes_at(t))
                 if pending is not None:
@@ -247,15 +227,17 @@ class Trainer:
                 pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
                                peak=peak, router_drift=drift)
                 eval_due = t == t_cfg.steps or (t_cfg.eval_every and t % t_cfg.eval_every == 0)
-                if eval_due or self.checkpointer.due(t) or t == t_cfg.steps:
+                save_due = self.checkpointer.due(t) or t == t_cfg.steps
+                if eval_due or save_due:
                     state = self.install_pending(state)
-                if eval_due:
+                    # Read step t's finiteness first: a diverged state must never be checkpointed.
                     last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
                     pending = None
+                if eval_due:
                     eval_loss_value = self._evaluate(state, t, log, display if show else None)
                     last_time = time.perf_counter()  # do not charge the evaluation to training throughput
-                if self.checkpointer.due(t) or t == t_cfg.steps:
-                    self.checkpointer.save(t, state, config)
+                if save_due:
+                    state = self.core.save(self.checkpointer, state, metadata=config)
             if pending is not None:
                 self._emit(pending, log, display, tokens_per_step, last_time, last_step)
             self.state = state
@@ -332,4 +314,4 @@ def train(config: Config, *, verbose: bool = True) -> dict[str, Any]:
     return Trainer(config, verbose=verbose).run()
 
 
-__all__ = ["ConfigError", "NonFiniteError", "Trainer", "global_model", "train"]
+__all__ = ["ConfigError", "NonFiniteError", "Trainer", "global_model", "lm_objective", "make_diloco", "train"]

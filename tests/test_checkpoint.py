@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from eqx_diloco import Trainer
-from eqx_diloco.checkpoint import Checkpointer, incompatibility
+from eqx_diloco.checkpoint import Checkpointer
+from eqx_diloco.resume import incompatibility
 from eqx_diloco.metrics import to_jsonable
 from eqx_diloco.train import main
 from util import read_metrics, train_losses
@@ -183,7 +184,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(trained, tmp_path, cap
     run = _copy(trained, tmp_path)
     _corrupt(run / "checkpoints" / "8", mode)
     checkpointer, trainer = _checkpointer(run)
-    state, step = checkpointer.restore_latest(trainer.abstract_state, trainer.shardings, trainer.config)
+    state, step = checkpointer.restore_latest(trainer.abstract_state, trainer.shardings, trainer.resume_check)
     err = capsys.readouterr().err
     assert step == 4
     assert "checkpoint 8" in err and "corrupt" in err and "resuming from checkpoint 4" in err, err
@@ -192,7 +193,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(trained, tmp_path, cap
     for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.shardings)):
         assert x.sharding == s
     expected, _ = Checkpointer(trained / "checkpoints", every=0, keep=1, read_only=True).restore_latest(
-        trainer.abstract_state, trainer.shardings, trainer.config, step=4)
+        trainer.abstract_state, trainer.shardings, trainer.resume_check, step=4)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     checkpointer.close()
@@ -238,7 +239,7 @@ def test_partial_save_folder_is_ignored_and_cleaned_up(trained, tmp_path):
     partial = run / "checkpoints" / "12.orbax-checkpoint-tmp-1700000000000"
     shutil.copytree(run / "checkpoints" / "8", partial)  # looks complete inside, but was never renamed
     checkpointer, trainer = _checkpointer(run)
-    _, step = checkpointer.restore_latest(trainer.abstract_state, trainer.shardings, trainer.config)
+    _, step = checkpointer.restore_latest(trainer.abstract_state, trainer.shardings, trainer.resume_check)
     assert step == 8
     assert not partial.exists()
     checkpointer.close()

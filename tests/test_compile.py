@@ -1,10 +1,9 @@
 """Cheap compile checks: abstract evaluation of state init and every step function."""
 
-import equinox as eqx
 import jax
 import pytest
 
-from eqx_diloco import Trainer, build_state
+from eqx_diloco import Trainer
 
 
 def _abstract_tokens(trainer):
@@ -34,9 +33,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_eval_shape_of_init_and_steps(make_config, name):
     trainer = Trainer(make_config(**CONFIGS[name]), verbose=False)
-    state = eqx.filter_eval_shape(
-        lambda: build_state(trainer.config, trainer.groups, trainer.inner_opt, trainer.outer_opt)
-    )
+    state = trainer.abstract_state
     R = trainer.config.diloco.num_replicas
     assert all(x.shape[0] == R for x in jax.tree.leaves(state.params))
     new_state, metrics = jax.eval_shape(trainer.inner_step, state, _abstract_tokens(trainer))
@@ -48,3 +45,10 @@ def test_eval_shape_of_init_and_steps(make_config, name):
             merged = jax.eval_shape(lambda s, p=p: trainer.outer.merge(s, p), state)
             assert jax.tree.structure(synced) == jax.tree.structure(merged) == jax.tree.structure(state)
             assert finite.shape == (R,)
+            # The overlapped (tau > 0) programs: extract + exchange on the communication
+            # devices (launch), and putting the result back (install).
+            inputs = jax.eval_shape(trainer.outer._fns["extract"][p], state)
+            outputs = jax.eval_shape(trainer.outer._fns["launch"][p], *inputs)
+            installed = jax.eval_shape(trainer.outer._fns["install"][p], state, outputs[0], outputs[1], outputs[3])
+            assert jax.tree.structure(installed) == jax.tree.structure(state)
+            assert outputs[2].shape == (R,)

@@ -22,7 +22,7 @@ def _model(num_layers):
 @pytest.mark.parametrize("L,P,pattern", CASES)
 def test_fragments_partition_every_parameter_exactly_once(L, P, pattern):
     model = _model(L)
-    frag = Fragmenter(L, P, pattern)
+    frag = Fragmenter.for_model(model, lambda m: m.blocks, P, pattern)
     counts = jax.tree.map(jnp.zeros_like, model)
     rebuilt = jax.tree.map(jnp.zeros_like, model)
     for p in range(P):
@@ -53,7 +53,7 @@ def test_layer_sets_are_the_documented_ones(L, P, pattern):
 def test_fragments_work_on_abstract_values_tracers_and_replica_axis():
     L, P, R = 6, 4, 3
     model = _model(L)
-    frag = Fragmenter(L, P, "strided")
+    frag = Fragmenter.for_model(model, lambda m: m.blocks, P, "strided")
     stacked = jax.tree.map(lambda x: jnp.stack([x + r for r in range(R)]), model)
     abstract = eqx.filter_eval_shape(lambda: stacked)
     for p in range(P):
@@ -80,7 +80,7 @@ def test_fragments_work_on_abstract_values_tracers_and_replica_axis():
 
 def test_fragment_zero_is_everything_outside_the_stack():
     model = _model(4)
-    values = Fragmenter(4, 3).get(model, 0)
+    values = Fragmenter.for_model(model, lambda m: m.blocks, 3).get(model, 0)
     outside = [model.embed, model.final_norm.weight, model.head]
     assert len(values) == len(outside)
     for a, b in zip(values, outside):
@@ -110,4 +110,4 @@ def test_fragmenter_rejects_bad_shapes():
     with pytest.raises(ValueError, match="divisible"):
         Fragmenter(5, 3)
     with pytest.raises(ValueError, match="fragment must be in"):
-        Fragmenter(4, 3).get(_model(4), 3)
+        Fragmenter.for_model(_model(4), lambda m: m.blocks, 3).get(_model(4), 3)

@@ -1,0 +1,401 @@
+"""`DiLoCo`: the model-agnostic core. Bring an Equinox model, a loss and optax optimizers.
+
+The object owns everything between "a batch per replica" and "a trained global model":
+the mesh, the per-replica inner step, the fragments and their sync schedule, the outer
+optimizer, quantized exchanges, overlapped syncs on communication devices and their merges,
+and checkpoint wiring. The LM trainer (`eqx_diloco.Trainer`) is one client of it.
+
+Host-side bookkeeping: a sync launched with overlap (tau > 0) runs in the background and
+its result is installed tau steps later. Those in-flight results live in this object, not
+in the state, and the state always *reads* as if syncs were blocking once `settle` has
+run; `save` and `global_model` do that for you.
+"""
+
+import functools
+from typing import Any, Callable, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jaxtyping import Array, PRNGKeyArray
+
+from . import quantize as _quantize
+from . import schedule
+from ._errors import ConfigError
+from .checkpoint import Checkpointer
+from .groups import make_groups
+from .mesh import build_meshes, ensure_cpu_devices
+from .outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes
+from .state import TrainState, build_state, state_shardings
+from .step import LossFn, make_inner_step
+
+PyTree = Any
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _is_trainable(x) -> bool:
+    """Inexact arrays are trained; so are their abstract stand-ins (for `abstract(model)`)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(x.dtype, jnp.inexact)
+    return eqx.is_inexact_array(x)
+
+
+def default_outer_optimizer() -> optax.GradientTransformation:
+    """The papers' outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
+    return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+class DiLoCo:
+    """DiLoCo / Streaming DiLoCo for any Equinox model.
+
+    **Arguments (all keyword-only; names match the CLI's `--diloco.*` flags):**
+
+    - `loss_fn`: `loss_fn(model, batch, key) -> (loss, aux)`: a scalar loss of one
+      replica's batch (its share on one `data` device) and a dict of arrays to report
+      (may be empty). `key` is a fresh PRNG key per replica, step and `data` device.
+    - `layers`: a selector returning the model's stacked layer module(s), as for
+      `eqx.tree_at` (`lambda m: m.blocks`, or a tuple of nodes with one common leading
+      layer axis); None for a model without a layer stack (then only `num_fragments=1`).
+    - `num_replicas`: R, independently training replicas (islands).
+    - `sync_period`: H, inner steps between two syncs of the same parameters.
+    - `inner_optimizer`: the per-replica optax optimizer (state never synced or reset).
+    - `outer_optimizer`: the optax optimizer applied to the averaged outer gradient
+      `theta_g - mean(theta_r)` as if it were a gradient (default SGD 0.7, Nesterov 0.9).
+    - `num_fragments`: P (Streaming DiLoCo when > 1). Fragment 0 holds everything outside
+      the layer stack; fragments 1..P-1 hold layers; P - 1 must divide the stack depth.
+    - `fragment_pattern`: `strided` or `sequential` dealing of layers to fragments.
+    - `overlap_steps`: tau, inner steps a sync overlaps before its merge (< H / P).
+    - `alpha`: merge weight of the replica's own values (0 replaces them).
+    - `quantize`: wire format of outer gradients: none, bf16, fp8, int8, int4, e3m0.
+    - `error_feedback`: carry each replica's quantization residual to its next sync.
+    - `routers`: optional `routers(params) -> tree of bools` flagging leaves that sync on
+      their own period (MoE routers); `router_sync_period`: that period K (0 = off).
+    - `on_nonfinite`: `stop` (outer gradients are averaged as they are; whoever reads the
+      metrics stops) or `skip` (a non-finite replica keeps its step / is left out of the mean).
+    - `data_parallel`: devices per replica on the `data` mesh axis.
+    - `comm_device`: with tau > 0, run syncs on one extra device per replica so they
+      overlap compute for real: `auto` (on CPU), `on`, `off`.
+    - `algorithm`: `diloco`, or `ddp` (gradients averaged every step; the baseline).
+    - `mesh`, `comm_mesh`: bring your own ("diloco", "data") meshes instead.
+
+    **Usage:**
+
+    ```python
+    state = diloco.init(model)
+    state, metrics = diloco.step(state, batch)   # batch leaves: (R, B, ...)
+    model = diloco.global_model(state)
+    ```
+    """
+
+    def __init__(
+        self,
+        *,
+        loss_fn: LossFn,
+        layers: Callable[[PyTree], Any] | None,
+        num_replicas: int,
+        sync_period: int,
+        inner_optimizer: optax.GradientTransformation,
+        outer_optimizer: optax.GradientTransformation | None = None,
+        num_fragments: int = 1,
+        fragment_pattern: Literal["strided", "sequential"] = "strided",
+        overlap_steps: int = 0,
+        alpha: float = 0.0,
+        quantize: str = "none",
+        error_feedback: bool = False,
+        routers: Callable[[PyTree], PyTree] | None = None,
+        router_sync_period: int = 0,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
+        data_parallel: int = 1,
+        comm_device: Literal["auto", "on", "off"] = "auto",
+        algorithm: Literal["diloco", "ddp"] = "diloco",
+        mesh: Mesh | None = None,
+        comm_mesh: Mesh | None = None,
+    ):
+        _require(callable(loss_fn), "loss_fn must be callable: loss_fn(model, batch, key) -> (loss, aux)")
+        _require(layers is None or callable(layers), "layers must be a selector (lambda model: model.blocks) or None")
+        for name, value in [("num_replicas", num_replicas), ("sync_period", sync_period),
+                            ("num_fragments", num_fragments), ("data_parallel", data_parallel)]:
+            _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
+        _require(overlap_steps >= 0, f"overlap_steps must be >= 0 (got {overlap_steps})")
+        _require(router_sync_period >= 0, f"router_sync_period must be >= 0 (got {router_sync_period})")
+        _require(algorithm in ("diloco", "ddp"), f"algorithm must be diloco or ddp (got {algorithm!r})")
+        _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
+        _require(comm_device in ("auto", "on", "off"), f"comm_device must be auto, on or off (got {comm_device!r})")
+        _require(quantize in _quantize.FORMATS, f"quantize must be one of {', '.join(_quantize.FORMATS)} (got {quantize!r})")
+        _require(fragment_pattern in ("strided", "sequential"),
+                 f"fragment_pattern must be strided or sequential (got {fragment_pattern!r})")
+        if algorithm == "diloco":
+            _require(sync_period % num_fragments == 0,
+                     f"sync_period must be divisible by num_fragments (got H={sync_period}, P={num_fragments})")
+            _require(overlap_steps < sync_period // num_fragments,
+                     f"overlap_steps must be < sync_period / num_fragments (got tau={overlap_steps}, "
+                     f"H/P={sync_period // num_fragments})")
+            _require(0 <= alpha <= 1, f"alpha must be in [0, 1] (got {alpha})")
+            _require(not error_feedback or quantize != "none", "error_feedback needs a lossy quantize format (got none)")
+            _require(not router_sync_period or routers is not None, "router_sync_period needs a routers selector")
+            _require(not router_sync_period or sync_period % router_sync_period == 0,
+                     f"router_sync_period must divide sync_period (got K={router_sync_period}, H={sync_period})")
+        else:
+            for name, off in [("num_fragments", num_fragments == 1), ("overlap_steps", overlap_steps == 0),
+                              ("alpha", alpha == 0), ("quantize", quantize == "none"),
+                              ("error_feedback", not error_feedback), ("router_sync_period", router_sync_period == 0)]:
+                _require(off, f"{name} applies to algorithm='diloco' only, not ddp")
+        self.loss_fn, self.layers = loss_fn, layers
+        self.num_replicas, self.sync_period, self.num_fragments = num_replicas, sync_period, num_fragments
+        self.inner_optimizer = inner_optimizer
+        self.outer_optimizer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
+        self.fragment_pattern, self.overlap_steps, self.alpha = fragment_pattern, overlap_steps, alpha
+        self.quantize, self.error_feedback = quantize, error_feedback
+        self.routers, self.router_sync_period = routers, router_sync_period
+        self.on_nonfinite, self.algorithm = on_nonfinite, algorithm
+        self.is_diloco = algorithm == "diloco"
+        if mesh is None:
+            overlapped = self.is_diloco and overlap_steps > 0
+            comm = comm_device if overlapped else "off"
+            # Harmless where JAX has already started; then build_meshes says what is missing.
+            ensure_cpu_devices(num_replicas * (data_parallel + int(comm != "off")))
+            mesh, comm_mesh = build_meshes(num_replicas, data_parallel, comm_device=comm)
+        _require(mesh.axis_names == ("diloco", "data"), f"mesh axes must be ('diloco', 'data') (got {mesh.axis_names})")
+        _require(mesh.shape["diloco"] == num_replicas,
+                 f"mesh has {mesh.shape['diloco']} rows on 'diloco', num_replicas is {num_replicas}")
+        self.mesh, self.comm_mesh = mesh, comm_mesh
+        self._bound = None  # (treedef, shapes) of the model this object was set up for
+        self._in_flight: dict[int, InFlightSync] = {}  # launched syncs by group, not installed yet
+        self._last_state, self._next_step = None, 0
+
+    # -- set-up for one model shape -----------------------------------------------------------
+
+    def _bind(self, model: PyTree) -> PyTree:
+        """Build the programs for models shaped like `model`; returns its array part."""
+        params, static = eqx.partition(model, _is_trainable)
+        signature = (jax.tree.structure(params), tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)))
+        if self._bound is not None:
+            _require(signature == self._bound, "this DiLoCo object was set up for a model of another structure or shape")
+            return params
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        separate = None
+        if self.is_diloco and self.router_sync_period:
+            separate = tuple(bool(f) for f in jax.tree.leaves(self.routers(abstract)))
+        try:
+            self.groups = () if not self.is_diloco else make_groups(
+                abstract, layers=self.layers, num_fragments=self.num_fragments,
+                fragment_pattern=self.fragment_pattern, separate=separate,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # With its own sync period, the router group comes after the P fragments.
+        self.router_group = self.num_fragments if separate is not None else None
+        self._static = static
+        self._build_kwargs = dict(
+            num_replicas=self.num_replicas, groups=self.groups, inner_opt=self.inner_optimizer,
+            outer_opt=self.outer_optimizer if self.is_diloco else None, error_feedback=self.error_feedback,
+        )
+        self.abstract_state = eqx.filter_eval_shape(
+            lambda p: build_state(p, **self._build_kwargs, key=jax.random.key(0)), abstract
+        )
+        self.shardings = state_shardings(self.abstract_state, self.mesh)
+        skip = self.on_nonfinite == "skip"
+        self.inner_step = make_inner_step(
+            self.mesh, self.inner_optimizer, self.loss_fn, static, ddp=not self.is_diloco, skip_nonfinite=skip
+        )
+        self.outer = None
+        self.group_bytes: list[int] = []
+        if self.is_diloco:
+            self.outer = OuterSync(
+                mesh=self.mesh, groups=self.groups, outer_opt=self.outer_optimizer, fmt=self.quantize,
+                alpha=self.alpha, skip_nonfinite=skip, error_feedback=self.error_feedback,
+                shardings=self.shardings, comm_mesh=self.comm_mesh,
+            )
+            self.group_bytes = [self.outer.nbytes(self.abstract_state, g) for g in range(len(self.groups))]
+        # A data-parallel step sends one full float32 gradient: the denominator of every bandwidth claim.
+        self.ddp_step_bytes = sync_nbytes([x.shape for x in jax.tree.leaves(abstract)], "none")
+        self._bound = signature
+        return params
+
+    def init(self, model: PyTree, *, key: PRNGKeyArray | None = None) -> TrainState:
+        """A fresh state on the mesh: every replica (and theta_g) starts from `model`.
+
+        **Arguments:**
+
+        - `model`: an Equinox model (its inexact arrays are trained, the rest is static).
+        - `key`: seeds each replica's PRNG stream for `loss_fn` (default `jax.random.key(0)`).
+        """
+        params = self._bind(model)
+        key = jax.random.key(0) if key is None else key
+        build = jax.jit(lambda p, k: build_state(p, **self._build_kwargs, key=k), out_shardings=self.shardings)
+        state = build(params, key)
+        self._in_flight.clear()
+        self._last_state, self._next_step = state, 0
+        return state
+
+    # -- the schedule -------------------------------------------------------------------------
+
+    def events(self, t: int) -> tuple[int | None, int | None]:
+        """(fragment whose sync starts after step t, fragment merged after step t)."""
+        if not self.is_diloco:
+            return None, None
+        return (
+            schedule.synced_fragment(t, self.sync_period, self.num_fragments),
+            schedule.applied_fragment(t, self.sync_period, self.num_fragments, self.overlap_steps),
+        )
+
+    def router_due(self, t: int) -> bool:
+        """Whether the router group takes its own outer step after step t."""
+        return self.router_group is not None and schedule.router_synced(t, self.router_sync_period)
+
+    def sent_bytes_at(self, t: int) -> int:
+        """Payload bytes one replica sends for synchronisation at step t (scales included)."""
+        if not self.is_diloco:
+            return self.ddp_step_bytes
+        synced, _ = self.events(t)
+        sent = 0 if synced is None else self.group_bytes[synced]
+        if self.router_due(t):
+            sent += self.group_bytes[self.router_group]
+        return sent
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def outer_steps(self, state: TrainState, t: int) -> tuple[TrainState, Array | None, int | None, int | None]:
+        """Run the syncs and merges due after step t. Returns (state, finite, synced, applied).
+
+        With tau = 0 a sync and its merge are one program. With tau > 0 the sync is launched
+        (on the communication devices, if any) and the host moves on; tau steps later its
+        result is installed and merged. `finite` (R,) belongs to the syncs that finished here.
+        """
+        if not self.is_diloco:
+            return state, None, None, None
+        synced, applied = self.events(t)
+        finished = []
+        if self.router_due(t):  # routers are small: a blocking sync, merged at once
+            state, finite = self.outer.sync_and_merge(state, self.router_group)
+            finished.append(finite)
+        if synced is not None and synced == applied:  # tau = 0: apply at once
+            state, finite = self.outer.sync_and_merge(state, synced)
+            finished.append(finite)
+        else:
+            if applied is not None:
+                if applied in self._in_flight:  # else installed early (settle) or restored
+                    state, finite = self.outer.install(state, self._in_flight.pop(applied))
+                    finished.append(finite)
+                state = self.outer.merge(state, applied)
+            if synced is not None:
+                self._in_flight[synced] = self.outer.launch(state, synced)
+        finite = functools.reduce(jnp.logical_and, finished) if finished else None
+        return state, finite, synced, applied
+
+    def _current_step(self, state: TrainState) -> int:
+        if state is self._last_state:
+            return self._next_step
+        return int(jax.device_get(state.step))  # a state we did not hand out: ask the device
+
+    def step(
+        self, state: TrainState, batch: PyTree, *, before_sync: Callable[[TrainState], Any] | None = None
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """One inner step on every replica, then every sync and merge due after it.
+
+        **Arguments:**
+
+        - `state`: the current state (donated: do not use it afterwards).
+        - `batch`: a pytree whose leaves have shape (R, B, ...): replica r's batch is row r.
+        - `before_sync`: optional diagnostic `f(state)` run after the inner step of a step
+          that starts a sync, before it (e.g. how far replicas drifted); its result is
+          `metrics["before_sync"]` (None at other steps).
+
+        **Returns:** `(state, metrics)`. `metrics` holds device arrays `loss`, `grad_norm`,
+        `finite` of shape (R,), the loss's aux outputs with a leading R axis, and, when a
+        sync finished at this step, `sync_finite` (R,); plus host ints (or None)
+        `synced_fragment` / `applied_fragment`. Reading metrics blocks; the step does not.
+        """
+        t = self._current_step(state) + 1
+        state, metrics = self.inner_step(state, batch)
+        if before_sync is not None:
+            due = self.is_diloco and (self.events(t)[0] is not None or self.router_due(t))
+            metrics["before_sync"] = before_sync(state) if due else None
+        state, finite, synced, applied = self.outer_steps(state, t)
+        if finite is not None:
+            metrics["sync_finite"] = finite
+        metrics["synced_fragment"], metrics["applied_fragment"] = synced, applied
+        self._last_state, self._next_step = state, t
+        return state, metrics
+
+    # -- reading the result -----------------------------------------------------------------
+
+    def settle(self, state: TrainState) -> tuple[TrainState, list[Array]]:
+        """Wait for every in-flight sync and put its result into the state (merges stay scheduled).
+
+        The global params then read as if the syncs had been blocking, which is what an
+        evaluation or a checkpoint must see. Returns (state, finite flags of those syncs).
+        """
+        finished = []
+        for group in sorted(self._in_flight):
+            state, finite = self.outer.install(state, self._in_flight.pop(group))
+            finished.append(finite)
+        if self._last_state is not None:
+            self._last_state = state
+        return state, finished
+
+    def global_params(self, state: TrainState) -> PyTree:
+        """theta_g with in-flight results included (the state is not consumed); ddp: replica 0."""
+        if not self.is_diloco:
+            return jax.tree.map(lambda x: x[0], state.params)
+        global_params = state.global_params
+        for group in sorted(self._in_flight):
+            new_values = self._in_flight[group].outputs[0]
+            if self.comm_mesh is not None:
+                new_values = move_to_mesh(new_values, self.comm_mesh, self.mesh)
+            global_params = self.groups[group].put(global_params, new_values)
+        return global_params
+
+    def global_model(self, state: TrainState) -> PyTree:
+        """The model to evaluate or export: theta_g (replica 0 for ddp), an instance of your model class."""
+        _require(self._bound is not None, "call init(model) (or restore) before global_model")
+        return eqx.combine(self.global_params(state), self._static)
+
+    def replica_models(self, state: TrainState) -> PyTree:
+        """Every replica's model, leaves with a leading replica axis (for diagnostics)."""
+        return eqx.combine(state.params, self._static)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, checkpointer: Checkpointer, state: TrainState, *, metadata: Any = None) -> TrainState:
+        """Settle in-flight syncs, then start an asynchronous Orbax save at the state's step.
+
+        Returns the settled state (use it from here on). `metadata` (JSON-able, e.g. your
+        config) is stored beside the arrays and handed to `restore`'s `check`.
+        """
+        state, _ = self.settle(state)
+        checkpointer.save(self._current_step(state), state, metadata)
+        return state
+
+    def restore(
+        self,
+        checkpointer: Checkpointer,
+        model: PyTree,
+        *,
+        step: int | None = None,
+        check: Callable[[dict, int], str | None] | None = None,
+    ) -> TrainState | None:
+        """The newest intact checkpoint's state (or checkpoint `step`), placed on the mesh; None if none.
+
+        `model` gives the structure (its values are not used). Resuming is bit-exact: the
+        data position is yours to derive from `int(state.step)`.
+        """
+        self._bind(model)
+        restored = checkpointer.restore_latest(self.abstract_state, self.shardings, check, step=step)
+        if restored is None:
+            return None
+        state, saved_step = restored
+        self._in_flight.clear()
+        self._last_state, self._next_step = state, saved_step
+        return state
+
+    def abstract(self, model: PyTree) -> TrainState:
+        """The state's shapes and dtypes (`jax.ShapeDtypeStruct` leaves) for models like `model`."""
+        self._bind(model)
+        return self.abstract_state
