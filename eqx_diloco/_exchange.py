@@ -1,0 +1,251 @@
+"""The collective half of an outer-gradient mean: sum every replica's (quantized) vector.
+
+`exchange_sum` runs *inside* a `jax.shard_map` body, over one mesh axis (the replica axis,
+"diloco" by default). Other mesh axes may exist; the values must be replicated over them
+(every collective here names only `axis_name`). Each replica passes its own flat float32
+vector and a 0/1 weight; every replica gets back the same float32 sum of the weighted,
+wire-rounded vectors, and its own quantization error for error feedback. The caller
+divides by the count of weighted replicas (a `psum` of the weights) to get the mean.
+
+Methods (`resolve_method` picks one):
+
+- `"psum"`: a float32 `psum` (format "none" only; lossless). On the wire a ring
+  all-reduce: each replica sends `2 (R - 1) / R` of the float32 buffer.
+- `"gather"` (one shot): each replica encodes its whole vector into one payload, the
+  payloads are `all_gather`ed, and every replica decodes all R of them and sums in float32
+  in replica order. Each replica sends its payload to R - 1 peers: `(R - 1) x payload`
+  bytes, and holds all R received payloads (R x payload bytes; for "none" and "bf16" XLA
+  also materializes the (R, n) float32 decode). Only one quantization (by the sender).
+- `"two_phase"` (quantized reduce-scatter + all-gather): the vector is zero-padded to
+  `R * c` values, `c` a multiple of the quantizer's block size (`chunk_size`), and cut into
+  R chunks, each encoded on its own (its own scales). An `all_to_all` hands chunk k of
+  every replica to replica k, which decodes and sums those R chunks in float32 (in replica
+  order 0, 1, ..., R - 1), re-encodes the reduced chunk in the same format, and an
+  `all_gather` of the packed reduced chunks gives everyone every chunk, decoded once. Each
+  replica sends `(R - 1)` chunk payloads in each phase: `2 (R - 1) / R` of one (padded)
+  payload, like a ring all-reduce of the compressed buffer. Memory per device is O(n): the
+  received chunks are decoded one at a time into a running sum (no (R, n) float32 matrix).
+  Two roundings (sender's and owner's). Format "none" works too (float32 chunks, no
+  rounding: equals a psum up to float32 summation order).
+
+Because chunk boundaries are multiples of `quantize.BLOCK_SIZE`, encoding the chunks one
+by one makes exactly the blocks (and scales) of encoding the whole zero-padded vector: the
+phase-1 rounding of a replica's vector is the same as the one-shot method's.
+
+**Choice of method (`method="auto"`).** Format "none" -> "psum". Otherwise "gather" for
+R <= 2 and "two_phase" for R > 2. At R = 2 both move the same bytes (one payload, up to
+block padding), but two-phase needs two collectives and rounds twice, so the one-shot
+exchange is never worse. From R = 3 two-phase sends fewer bytes ((R - 1) vs
+2 (R - 1) / R payloads) and avoids the (R, n) decode; `benchmarks/wire.py` measures the
+time per sync (benchmarks/results/wire.md).
+
+**Skipped replicas (weight 0).** A replica whose weight is 0 zeroes what it sends (the
+scales of a blocked payload, the values of "none"/"bf16"), so its payload decodes to
+exact zeros and adds nothing, whatever its values (NaN included); nobody needs to know the
+other replicas' weights. It still takes part in the collectives and, with two-phase, still
+reduces and re-encodes the chunk it owns.
+
+**Error feedback: what `own_error` carries.** Let x_r be replica r's vector (its outer
+gradient plus last round's residual), e1_r = x_r - decode(encode(x_r)) its sender-side
+rounding error, and, for two-phase, S_k the float32 sum replica k reduced for chunk k and
+e2_k = S_k - decode(encode(S_k)) the owner's re-encoding error. The returned total is
+`T = sum_r w_r x_r - sum_r w_r e1_r - e2` (e2: all chunks' e2_k side by side).
+
+- "gather": `own_error = e1_r` (as before).
+- "two_phase": `own_error = e1_r`, plus `e2_r` (unscaled) on the chunk replica r owns.
+- "psum": zeros.
+
+e2 is an error of the *sum*, and the sum of all residuals is what the next round's sum
+re-injects, so the owner carries it once (not R or count times; count x e2 would be right
+only if the owner re-quantized the *mean*). With every replica weighted and
+E_t = sum_r own_error_r at round t, the transmitted means telescope:
+`sum_{t<=T} T_t / R = sum_{t<=T} mean_r(delta_r,t) - E_T / R`, so the time-summed
+transmitted mean is off by one round's error, never growing with T
+(`tests/test_exchange.py` checks this with a numpy simulation of the same rounding). If a
+replica is skipped, its own error follows its own (non-finite) residual, which the caller
+handles; the e2 it owns is still finite and added to it.
+"""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float32
+
+from . import quantize
+
+Method = Literal["psum", "gather", "two_phase"]
+METHODS: tuple[str, ...] = ("psum", "gather", "two_phase")
+
+
+def resolve_method(method: str, num_replicas: int, fmt: str) -> Method:
+    """The concrete exchange method for a requested one.
+
+    **Arguments:**
+
+    - `method`: "auto", "psum", "gather" or "two_phase".
+    - `num_replicas`: R, the size of the replica axis.
+    - `fmt`: the wire format (one of `quantize.FORMATS`).
+
+    **Returns:** "auto" resolves to "psum" for format "none", else "gather" when
+    R <= 2 and "two_phase" when R > 2 (see the module docstring for why). Explicit
+    methods are returned unchanged; "psum" with a quantized format is a ValueError (a psum
+    of quantized codes would overflow or round wrongly).
+    """
+    quantize._check(fmt)
+    if method == "auto":
+        if fmt == "none":
+            return "psum"
+        return "gather" if num_replicas <= 2 else "two_phase"
+    if method not in METHODS:
+        raise ValueError(f"unknown exchange method {method!r}; expected auto or one of {', '.join(METHODS)}")
+    if method == "psum" and fmt != "none":
+        raise ValueError(f"method 'psum' needs format 'none' (got {fmt!r}); use 'gather' or 'two_phase'")
+    return method  # type: ignore[return-value]
+
+
+def chunk_size(num_values: int, fmt: str, num_replicas: int) -> int:
+    """Values per chunk in the two-phase exchange: the vector is zero-padded to R chunks.
+
+    Blocked formats (fp8, int8, int4, e3m0) round the chunk up to a multiple of
+    `quantize.BLOCK_SIZE`, so each chunk is whole blocks; "none" and "bf16" need no
+    alignment: `ceil(num_values / R)`.
+    """
+    quantize._check(fmt)
+    align = quantize.BLOCK_SIZE if fmt in quantize._BLOCKED else 1
+    per_replica = -(-num_values // num_replicas)
+    return align * -(-per_replica // align)
+
+
+def payload_nbytes_for(num_values: int, fmt: str, num_replicas: int, method: str) -> int:
+    """Bytes of one replica's whole encoded vector under `method` (scales and padding included).
+
+    "psum": 4 bytes per value. "gather": `quantize.payload_nbytes((n,), fmt)`. "two_phase":
+    R chunk payloads of `chunk_size` values each (the zero padding to R equal chunks is
+    counted). This is what `sent_bytes` counts; `wire_nbytes` is what the collectives move.
+    """
+    method = resolve_method(method, num_replicas, fmt)
+    if method == "psum":
+        return 4 * num_values
+    if method == "gather":
+        return quantize.payload_nbytes((num_values,), fmt)
+    return num_replicas * quantize.payload_nbytes((chunk_size(num_values, fmt, num_replicas),), fmt)
+
+
+def wire_nbytes(num_values: int, fmt: str, num_replicas: int, method: str) -> int:
+    """Bytes one replica sends for one `exchange_sum` of `num_values` values.
+
+    With R = `num_replicas`, n = `num_values`, p = `quantize.payload_nbytes((n,), fmt)` and
+    p_c = `quantize.payload_nbytes((chunk_size(n, fmt, R),), fmt)`:
+
+    - "psum" (ring all-reduce of the float32 buffer): `ceil(2 (R - 1) * 4n / R)`;
+    - "gather" (all_gather of one payload): `(R - 1) * p`;
+    - "two_phase": all_to_all of R chunk payloads keeps one and sends R - 1, then the
+      all_gather of the reduced chunk sends it to R - 1 peers: `2 (R - 1) * p_c`
+      (= 2 (R - 1) / R of the padded payload).
+
+    R = 1 sends nothing. "auto" is resolved with `resolve_method` first.
+    """
+    method = resolve_method(method, num_replicas, fmt)
+    R = num_replicas
+    if method == "psum":
+        return -(-2 * (R - 1) * 4 * num_values // R)
+    if method == "gather":
+        return (R - 1) * quantize.payload_nbytes((num_values,), fmt)
+    return 2 * (R - 1) * quantize.payload_nbytes((chunk_size(num_values, fmt, R),), fmt)
+
+
+def _zero_if_skipped(payload: quantize.Payload, keep: Array) -> quantize.Payload:
+    """A payload that decodes to exact zeros when `keep` is False (NaN scales included)."""
+    if payload.scales is None:
+        return quantize.Payload(data=jnp.where(keep, payload.data, jnp.zeros_like(payload.data)), scales=None)
+    # Codes of blocked formats are always finite, so a zero scale decodes them to zeros.
+    return quantize.Payload(data=payload.data, scales=jnp.where(keep, payload.scales, jnp.zeros_like(payload.scales)))
+
+
+def _row(payload: quantize.Payload, i: int) -> quantize.Payload:
+    return jax.tree.map(lambda leaf: leaf[i], payload)
+
+
+def _sum_rows(payloads: quantize.Payload, fmt: str, size: int, R: int) -> Float32[Array, " size"]:
+    """Decode R stacked payloads (leading axis) and add them in replica order, in float32.
+
+    A running sum of one decoded row at a time: XLA fuses each decode into its add, so no
+    (R, size) float32 matrix is held, and the order of the additions is fixed.
+    """
+    total = quantize.decode(_row(payloads, 0), fmt, (size,))
+    for r in range(1, R):
+        total = total + quantize.decode(_row(payloads, r), fmt, (size,))
+    return total
+
+
+def exchange_sum(
+    flat: Float32[Array, " n"],
+    weight: Float32[Array, ""],
+    fmt: str,
+    *,
+    axis_name: str = "diloco",
+    method: str,
+) -> tuple[Float32[Array, " n"], Float32[Array, " n"]]:
+    """Sum over replicas of `weight_r * decode(encode(flat_r))`; call inside `jax.shard_map`.
+
+    **Arguments:**
+
+    - `flat`: this replica's vector (float32, 1-D, same length on every replica). Varies
+      over `axis_name`; replicated over any other mesh axis.
+    - `weight`: scalar, 0 or 1 (any value > 0 counts as 1): 0 leaves this replica out of
+      the sum (its values may then be non-finite).
+    - `fmt`: wire format, one of `quantize.FORMATS`.
+    - `axis_name`: the replica mesh axis.
+    - `method`: "psum", "gather", "two_phase" or "auto" (see `resolve_method`; the axis size
+      is read from the mesh).
+
+    **Returns:** `(total, own_error)`. `total` (n,) float32 is the same on every replica
+    (invariant over `axis_name`: it may leave the shard_map with `P()`), for
+    "two_phase" it is the decoded re-encoded sum. `own_error` (n,) float32 is what this
+    replica's error-feedback residual should become (module docstring: its phase-1 rounding
+    error, plus, for two-phase, the owner's re-encoding error of the chunk it owns; zeros
+    for a lossless exchange). Unused outputs cost nothing under `jit`.
+    """
+    quantize._check(fmt)
+    R = jax.lax.axis_size(axis_name)
+    method = resolve_method(method, R, fmt)
+    flat = flat.astype(jnp.float32)
+    if flat.ndim != 1:
+        raise ValueError(f"exchange_sum takes a flat vector, got shape {flat.shape}")
+    keep = weight > 0
+    n = flat.shape[0]
+
+    if method == "psum":
+        total = jax.lax.psum(jnp.where(keep, flat, jnp.zeros_like(flat)), axis_name)
+        return total, jnp.zeros_like(flat)
+
+    if method == "gather":
+        payload = quantize.encode(flat, fmt)
+        own_error = flat - quantize.decode(payload, fmt, (n,))
+        gathered = jax.lax.all_gather(_zero_if_skipped(payload, keep), axis_name, to="invarying")
+        return _sum_rows(gathered, fmt, n, R), own_error
+
+    # two_phase
+    c = chunk_size(n, fmt, R)
+    padded = jnp.pad(flat, (0, R * c - n))
+    # One encode of the padded vector is exactly the R chunks' encodes side by side (chunks
+    # are whole blocks); reshape every leaf to a leading chunk axis.
+    payload = quantize.encode(padded, fmt)
+    e1 = padded - quantize.decode(payload, fmt, (R * c,))
+    chunks = jax.tree.map(lambda leaf: leaf.reshape(R, -1, *leaf.shape[1:]), _zero_if_skipped(payload, keep))
+    # Phase 1 (reduce-scatter): row s of what arrives is chunk `me` of replica s.
+    received = jax.tree.map(lambda leaf: jax.lax.all_to_all(leaf, axis_name, 0, 0), chunks)
+    owned = _sum_rows(received, fmt, c, R)
+    if fmt == "none":
+        reduced = quantize.Payload(data=owned, scales=None)
+        e2 = jnp.zeros_like(owned)
+    else:
+        reduced = quantize.encode(owned, fmt)
+        e2 = owned - quantize.decode(reduced, fmt, (c,))
+    # Phase 2 (all-gather): everyone gets every owner's encoded reduced chunk.
+    gathered = jax.lax.all_gather(reduced, axis_name, to="invarying")
+    total = quantize.decode(gathered, fmt, (c,)).reshape(R * c)[:n]
+    me = jax.lax.axis_index(axis_name)
+    own_error = jax.lax.dynamic_update_slice(e1, jax.lax.dynamic_slice(e1, (me * c,), (c,)) + e2, (me * c,))
+    return total, own_error[:n]
