@@ -51,6 +51,7 @@ def shared_runs(monkeypatch):
     monkeypatch.setattr(_common, "train_and_summarize", cached)
 
 
+@pytest.mark.slow  # runs the benchmark end to end
 def test_convergence_smoke(tmp_path, shared_runs):
     result = convergence.run("smoke", out_dir=tmp_path, make_plots=HAVE_MPL, log=quiet)
     scale = convergence.SCALES["smoke"]
@@ -89,6 +90,7 @@ def test_convergence_suites_are_valid_configs(tmp_path):
                 assert scale.steps % spec.sync_period == 0
 
 
+@pytest.mark.slow  # runs the benchmark end to end
 def test_quantization_smoke(tmp_path, shared_runs):
     formats = (("none", False), ("int4", False))  # the same streaming setting as the convergence smoke run
     result = quantization.run("smoke", formats=formats, fragments=2, noise_seeds=(), out_dir=tmp_path, log=quiet)
@@ -104,6 +106,7 @@ def test_quantization_smoke(tmp_path, shared_runs):
     assert 0 < rows[("int4", False)]["bytes_ratio"] < 0.2
 
 
+@pytest.mark.slow  # runs the benchmark end to end
 def test_throughput_smoke(tmp_path):
     result = throughput.run(throughput.SMOKE, out_dir=tmp_path, log=quiet)
     saved = json.loads((tmp_path / "throughput.json").read_text())

@@ -1,6 +1,7 @@
 """Checkpoints: resume after SIGKILL == uninterrupted, corruption, incompatible configs, non-finite guard."""
 
 import dataclasses
+import gc
 import os
 import re
 import shutil
@@ -25,6 +26,21 @@ from util import read_metrics, train_losses
 TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
         "--train.batch-size", "4", "--data.source", "synthetic", "--train.log-every", "1"]
 ROOT = Path(__file__).resolve().parents[1]
+
+# Restoring a corrupt checkpoint makes orbax abandon its other pending reads: their coroutines
+# (and the closed event loop they were meant for) report "Exception ignored in ..." tracebacks
+# when garbage-collected. That is expected here, so collect them at the end of each test (not at
+# interpreter exit, where they would be printed) and keep them out of the warnings summary.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:(?s)Exception ignored in.*(_read_array_index_and_device_put|Event loop is closed)"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
+
+
+@pytest.fixture(autouse=True)
+def _collect_abandoned_reads():
+    yield
+    gc.collect()
 
 # -- SIGKILL, then resume: metrics identical to an uninterrupted run ------------------------
 
@@ -110,6 +126,7 @@ def _run_and_kill(cmd, env, checkpoints: Path, log: Path) -> list[int]:
     return _complete_steps(checkpoints)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(KILL_VARIANTS))
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, references, variant):
     extra = KILL_VARIANTS[variant]

@@ -24,6 +24,7 @@ def _launch(num_processes, run_dir, *flags, **popen):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_processes", [2, 4])
 @pytest.mark.parametrize("streaming", [False, True], ids=["diloco", "streaming-tau1"])
 def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_processes, streaming):
@@ -62,6 +63,7 @@ def _children(pid: int) -> dict[int, int]:
     return found
 
 
+@pytest.mark.slow
 def test_killed_process_makes_the_launcher_stop_everything_quickly(tmp_path):
     run_dir = tmp_path / "run"
     proc = _launch(2, run_dir, "--train.steps", "100000", "--diloco.num-replicas", "2")
