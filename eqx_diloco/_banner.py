@@ -1,0 +1,153 @@
+"""What the CLI prints around a run: the resolved setup before anything compiles, and the
+summary at the end (what the run did, where its files are, what to run next)."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from models import Transformer
+
+from .mesh import wants_comm_device
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _quote(path: Path | str) -> str:
+    return shlex.quote(str(path))
+
+
+def model_size(config) -> tuple[int, int]:
+    """(parameter count, bytes) of the model, from shapes alone (nothing is allocated or run)."""
+    abstract = eqx.filter_eval_shape(lambda: Transformer(config.model, key=jax.random.key(0)))
+    leaves = [x for x in jax.tree.leaves(abstract) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    count = sum(math.prod(x.shape) for x in leaves)
+    nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+    return count, nbytes
+
+
+def algorithm_line(config) -> str:
+    d = config.diloco
+    if config.algorithm == "ddp":
+        return f"DDP (gradients averaged over all replicas every step), R={d.num_replicas} replicas"
+    name = "Streaming DiLoCo" if d.num_fragments > 1 else "DiLoCo"
+    parts = [f"{name}, R={d.num_replicas} replicas", f"H={d.sync_period}",
+             f"P={d.num_fragments} fragment{'s' if d.num_fragments > 1 else ''}", f"tau={d.overlap_steps}"]
+    if d.alpha:
+        parts.append(f"alpha={d.alpha}")
+    parts.append(f"quantize {d.quantize}" + (" + error feedback" if d.error_feedback else ""))
+    return ", ".join(parts)
+
+
+def describe_setup(config) -> str:
+    """The resolved setup, several lines: algorithm, model size, devices and mesh, data, run
+    folder, checkpoints, compilation cache. Call after the devices are set up (it lists them)."""
+    d, t, m = config.diloco, config.train, config.model
+    count, nbytes = model_size(config)
+    kind = "mixture-of-experts" if m.kind == "moe" else "dense"
+    devices = jax.devices()
+    platform = devices[0].platform if devices else "none"
+    comm = wants_comm_device(config) and (d.comm_device == "on" or jax.default_backend() == "cpu")
+    mesh = f"mesh diloco={d.num_replicas} x data={config.mesh.data}"
+    if comm:
+        mesh += f" (+{d.num_replicas} communication devices for overlapped syncs)"
+    procs = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    tokens_per_step = d.num_replicas * t.batch_size * t.seq_len
+    data = {"corpus": "embedded corpus (stdlib source, bytes)", "synthetic": "synthetic pattern"}.get(
+        config.data.source, f"{config.data.source} {config.data.path}")
+    ck = config.checkpoint
+    if ck.every > 0:
+        checkpoints = f"every {ck.every} steps in {ck.dir or Path(config.run_dir) / 'checkpoints'} (reruns resume)"
+    else:
+        checkpoints = "off (--checkpoint.every 0)"
+    cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None
+    cache = f"cached in {cache_dir}" if cache_dir else "persistent cache off"
+    lines = [
+        f"eqx_diloco: {algorithm_line(config)}",
+        f"  model        {kind}, {m.num_layers} layers, width {m.dim}, vocab {m.vocab_size}: "
+        f"{_count(count)} parameters ({format_bytes(nbytes)})",
+        f"  devices      {len(devices)} x {platform}{procs}; {mesh}",
+        f"  data         {data}; {d.num_replicas} x {t.batch_size} sequences x {t.seq_len} tokens "
+        f"= {tokens_per_step:,} tokens/step, {t.steps} steps",
+        f"  run dir      {config.run_dir} (metrics.jsonl, config.json, TensorBoard events)",
+        f"  checkpoints  {checkpoints}",
+        f"  compilation  {cache}",
+    ]
+    return "\n".join(lines)
+
+
+def finished_message(config, step: int) -> str:
+    """What to say when a run that already reached `--train.steps` is started again."""
+    run_dir = _quote(config.run_dir)
+    return (
+        f"run in {config.run_dir} already finished at step {step} (--train.steps {config.train.steps}); nothing to do.\n"
+        f"  to train further: the same command with a larger --train.steps (e.g. --train.steps {2 * step}), "
+        f"which resumes from the newest checkpoint\n"
+        f"  to start over: a new --run-dir, or remove {run_dir}"
+    )
+
+
+def format_summary(summary: dict[str, Any], config) -> str:
+    """The end-of-run summary.
+
+    `summary` keys (all optional but `step`): `eval_loss` (final, of the global model),
+    `tokens` (trained so far, all replicas), `sent_bytes` (per replica), `ddp_bytes` (what DDP
+    would have sent per replica for the same steps), `wall_time_s`, `run_dir`,
+    `checkpoint_dir`. Missing `tokens` and `ddp_bytes` are computed from the config.
+    """
+    d, t = config.diloco, config.train
+    step = int(summary.get("step", t.steps))
+    run_dir = Path(summary.get("run_dir") or config.run_dir)
+    ck_dir = Path(summary.get("checkpoint_dir") or config.checkpoint.dir or run_dir / "checkpoints")
+    tokens = summary.get("tokens")
+    if tokens is None:
+        tokens = step * d.num_replicas * t.batch_size * t.seq_len
+    ddp_bytes = summary.get("ddp_bytes")
+    if ddp_bytes is None:
+        ddp_bytes = step * model_size(config)[1]  # one float32 gradient per step
+    head = f"done: {step} steps"
+    if summary.get("wall_time_s") is not None:
+        head += f" in {summary['wall_time_s']:.1f} s"
+    head += f", {tokens:,} tokens"
+    if summary.get("eval_loss") is not None:
+        head += f"; final eval loss {summary['eval_loss']:.4f} (global model, held-out data)"
+    lines = [head]
+    sent = summary.get("sent_bytes")
+    if sent is not None:
+        if config.algorithm == "ddp" or not ddp_bytes:
+            lines.append(f"  sent         {format_bytes(sent)} per replica (DDP: a float32 gradient every step)")
+        else:
+            ratio = ddp_bytes / sent if sent else math.inf
+            lines.append(f"  sent         {format_bytes(sent)} per replica for synchronisation; DDP would have sent "
+                         f"{format_bytes(ddp_bytes)} ({ratio:,.0f}x more)")
+    lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} (TensorBoard: tensorboard --logdir {_quote(run_dir.parent)})")
+    has_checkpoints = config.checkpoint.every > 0
+    if has_checkpoints:
+        lines.append(f"  checkpoints  {ck_dir}")
+    q = _quote(run_dir)
+    lines.append("next:")
+    lines.append(f"  python -m eqx_diloco.plot {q} --out {_quote(run_dir / 'loss.png')}    # loss vs step and bytes")
+    if has_checkpoints:
+        model = _quote(run_dir / "model.eqx")
+        lines.append(f"  python -m eqx_diloco.export {q}    # the global model alone, to {model}")
+        prompt = ' --prompt "def "' if config.data.source == "corpus" else ""
+        lines.append(f"  python -m eqx_diloco.sample {model}{prompt}")
+        lines.append(f"  more steps: the same command with --train.steps {2 * step} (resumes from the checkpoint)")
+    return "\n".join(lines)
