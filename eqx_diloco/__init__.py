@@ -5,6 +5,8 @@ Two tiers. The library core takes any Equinox model: `DiLoCo` (with `TrainState`
 language models is one client of it: `Config`, `Trainer`, `train`.
 """
 
+import importlib
+
 from . import quantize, schedule
 from ._diloco import DiLoCo, default_outer_optimizer
 from ._errors import ConfigError, NonFiniteError
@@ -16,17 +18,22 @@ from .outer import OuterSync, mean_outer_gradient
 from .state import TrainState, build_state, state_shardings
 from .step import make_inner_step
 
-# The CLI trainer's layer (it imports the bundled models; the core above does not).
-from .config import (  # noqa: E402
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    DiLoCoConfig,
-    MeshConfig,
-    TrainConfig,
-    validate,
-)
-from .trainer import Trainer, global_model, train  # noqa: E402
+# The CLI trainer's layer imports the bundled models; the core above does not, so it is
+# loaded on first use (`eqx_diloco.Trainer`), and `import eqx_diloco` stays model-free.
+_CLI_LAYER = {
+    **dict.fromkeys(
+        ["CheckpointConfig", "Config", "DataConfig", "DiLoCoConfig", "MeshConfig", "TrainConfig", "validate"],
+        ".config",
+    ),
+    **dict.fromkeys(["Trainer", "global_model", "train"], ".trainer"),
+}
+
+
+def __getattr__(name: str):
+    if name in _CLI_LAYER:
+        return getattr(importlib.import_module(_CLI_LAYER[name], __name__), name)
+    raise AttributeError(f"module 'eqx_diloco' has no attribute {name!r}")
+
 
 __all__ = [
     "CheckpointConfig",

@@ -229,7 +229,9 @@ class DiLoCo:
         params = self._bind(model)
         key = jax.random.key(0) if key is None else key
         build = jax.jit(lambda p, k: build_state(p, **self._build_kwargs, key=k), out_shardings=self.shardings)
-        state = build(params, key)
+        # Fresh buffers: jit may hand an input straight back as theta_g, and the first step
+        # donates the state, which would delete the caller's model arrays with it.
+        state = build(jax.tree.map(jnp.copy, params), key)
         self._in_flight.clear()
         self._last_state, self._next_step = state, 0
         return state
@@ -353,9 +355,13 @@ class DiLoCo:
         return global_params
 
     def global_model(self, state: TrainState) -> PyTree:
-        """The model to evaluate or export: theta_g (replica 0 for ddp), an instance of your model class."""
+        """The model to evaluate or export: theta_g (replica 0 for ddp), an instance of your model class.
+
+        In-flight syncs are included without consuming `state`; the arrays are a copy.
+        """
         _require(self._bound is not None, "call init(model) (or restore) before global_model")
-        return eqx.combine(self.global_params(state), self._static)
+        # A copy: the next step donates the state, and the model handed out must outlive it.
+        return eqx.combine(jax.tree.map(jnp.copy, self.global_params(state)), self._static)
 
     def replica_models(self, state: TrainState) -> PyTree:
         """Every replica's model, leaves with a leading replica axis (for diagnostics)."""
