@@ -27,7 +27,7 @@ from ._errors import ConfigError
 from .checkpoint import Checkpointer
 from .groups import make_groups
 from .mesh import build_meshes, ensure_cpu_devices
-from .outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes
+from .outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes, sync_wire_nbytes
 from .state import TrainState, build_state, state_shardings
 from .step import LossFn, make_inner_step
 
@@ -74,6 +74,10 @@ class DiLoCo:
     - `alpha`: merge weight of the replica's own values (0 replaces them).
     - `quantize`: wire format of outer gradients: none, bf16, fp8, int8, int4, e3m0.
     - `error_feedback`: carry each replica's quantization residual to its next sync.
+    - `exchange`: the collective of a quantized sync: `gather` (one-shot all-gather of every
+      replica's payload: (R - 1) payloads sent, R decoded), `two_phase` (packed
+      reduce-scatter + all-gather: 2 (R - 1) / R of a payload sent, O(n) decode memory, two
+      roundings) or `auto` (gather at R <= 2, two_phase above; float32 syncs use a psum).
     - `routers`: optional `routers(params) -> tree of bools` flagging leaves that sync on
       their own period (MoE routers); `router_sync_period`: that period K (0 = off).
     - `on_nonfinite`: `stop` (outer gradients are averaged as they are; whoever reads the
@@ -108,6 +112,7 @@ class DiLoCo:
         alpha: float = 0.0,
         quantize: str = "none",
         error_feedback: bool = False,
+        exchange: Literal["auto", "gather", "two_phase"] = "auto",
         routers: Callable[[PyTree], PyTree] | None = None,
         router_sync_period: int = 0,
         on_nonfinite: Literal["stop", "skip"] = "stop",
@@ -128,6 +133,8 @@ class DiLoCo:
         _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
         _require(comm_device in ("auto", "on", "off"), f"comm_device must be auto, on or off (got {comm_device!r})")
         _require(quantize in _quantize.FORMATS, f"quantize must be one of {', '.join(_quantize.FORMATS)} (got {quantize!r})")
+        _require(exchange in ("auto", "gather", "two_phase"),
+                 f"exchange must be auto, gather or two_phase (got {exchange!r})")
         _require(fragment_pattern in ("strided", "sequential"),
                  f"fragment_pattern must be strided or sequential (got {fragment_pattern!r})")
         if algorithm == "diloco":
@@ -151,7 +158,7 @@ class DiLoCo:
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
         self.fragment_pattern, self.overlap_steps, self.alpha = fragment_pattern, overlap_steps, alpha
-        self.quantize, self.error_feedback = quantize, error_feedback
+        self.quantize, self.error_feedback, self.exchange = quantize, error_feedback, exchange
         self.routers, self.router_sync_period = routers, router_sync_period
         self.on_nonfinite, self.algorithm = on_nonfinite, algorithm
         self.is_diloco = algorithm == "diloco"
@@ -206,15 +213,19 @@ class DiLoCo:
         )
         self.outer = None
         self.group_bytes: list[int] = []
+        self.group_wire_bytes: list[int] = []
         if self.is_diloco:
             self.outer = OuterSync(
                 mesh=self.mesh, groups=self.groups, outer_opt=self.outer_optimizer, fmt=self.quantize,
                 alpha=self.alpha, skip_nonfinite=skip, error_feedback=self.error_feedback,
-                shardings=self.shardings, comm_mesh=self.comm_mesh,
+                shardings=self.shardings, comm_mesh=self.comm_mesh, exchange=self.exchange,
             )
             self.group_bytes = [self.outer.nbytes(self.abstract_state, g) for g in range(len(self.groups))]
+            self.group_wire_bytes = [self.outer.wire_nbytes(self.abstract_state, g) for g in range(len(self.groups))]
         # A data-parallel step sends one full float32 gradient: the denominator of every bandwidth claim.
-        self.ddp_step_bytes = sync_nbytes([x.shape for x in jax.tree.leaves(abstract)], "none")
+        shapes = [x.shape for x in jax.tree.leaves(abstract)]
+        self.ddp_step_bytes = sync_nbytes(shapes, "none")
+        self.ddp_step_wire_bytes = sync_wire_nbytes(shapes, "none", self.num_replicas)
         self._bound = signature
         return params
 
@@ -251,15 +262,26 @@ class DiLoCo:
         """Whether the router group takes its own outer step after step t."""
         return self.router_group is not None and schedule.router_synced(t, self.router_sync_period)
 
-    def sent_bytes_at(self, t: int) -> int:
-        """Payload bytes one replica sends for synchronisation at step t (scales included)."""
+    def _bytes_at(self, t: int, per_group: list[int], ddp: int) -> int:
         if not self.is_diloco:
-            return self.ddp_step_bytes
+            return ddp
         synced, _ = self.events(t)
-        sent = 0 if synced is None else self.group_bytes[synced]
+        sent = 0 if synced is None else per_group[synced]
         if self.router_due(t):
-            sent += self.group_bytes[self.router_group]
+            sent += per_group[self.router_group]
         return sent
+
+    def sent_bytes_at(self, t: int) -> int:
+        """Payload bytes one replica encodes for the syncs that start at step t (scales included)."""
+        return self._bytes_at(t, self.group_bytes, self.ddp_step_bytes)
+
+    def wire_bytes_at(self, t: int) -> int:
+        """Bytes one replica's collectives move for the syncs that start at step t.
+
+        A float32 psum counts as a ring all-reduce (2 (R - 1) / R of the buffer), a payload
+        all-gather as R - 1 payloads, the two-phase exchange as 2 (R - 1) / R of a payload.
+        """
+        return self._bytes_at(t, self.group_wire_bytes, self.ddp_step_wire_bytes)
 
     # -- stepping ----------------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ class DiLoCoConfig:
     """wire format of each replica's outer gradient."""
     error_feedback: bool = False
     """keep each replica's quantization residual and add it to its next outer gradient of the same fragment."""
+    exchange: Literal["auto", "gather", "two_phase"] = "auto"
+    """collective of a quantized sync: `gather` (all-gather every replica's payload: each sends R-1 payloads), `two_phase` (packed reduce-scatter + all-gather: each sends 2(R-1)/R of a payload, like a ring all-reduce; rounds twice) or `auto` (gather at R <= 2, two_phase above)."""
     router_sync_period: int = 0
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
     comm_device: Literal["auto", "on", "off"] = "auto"
@@ -260,6 +262,7 @@ def validate(config: Config) -> None:
             "--diloco.alpha": d.alpha != 0.0,
             "--diloco.quantize": d.quantize != "none",
             "--diloco.error-feedback": d.error_feedback,
+            "--diloco.exchange": d.exchange != "auto",
             "--diloco.router-sync-period": d.router_sync_period != 0,
         }
         for flag, set_ in streaming.items():

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array
 
-from . import quantize
+from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
 from ._tree import all_finite
 from .groups import ParamGroup
 from .state import TrainState
@@ -34,14 +34,20 @@ from .state import TrainState
 PyTree = Any
 
 
-def sync_nbytes(shapes: list[tuple[int, ...]], fmt: str) -> int:
-    """Bytes one replica puts on the wire for one sync of leaves of these shapes.
+def sync_nbytes(shapes: list[tuple[int, ...]], fmt: str, num_replicas: int = 2, exchange: str = "auto") -> int:
+    """Payload bytes one replica encodes for one sync of leaves of these shapes (scales included).
 
-    Quantized groups are sent as one flat payload (see `mean_outer_gradient`).
+    Quantized groups are sent as one flat payload (see `mean_outer_gradient`); the two-phase
+    exchange pads it to R equal chunks.
     """
-    if fmt == "none":
-        return sum(quantize.payload_nbytes(tuple(s), fmt) for s in shapes)
-    return quantize.payload_nbytes((sum(int(np.prod(s)) for s in shapes),), fmt)
+    n = sum(int(np.prod(s)) for s in shapes)
+    return payload_nbytes_for(n, fmt, num_replicas, exchange)
+
+
+def sync_wire_nbytes(shapes: list[tuple[int, ...]], fmt: str, num_replicas: int, exchange: str = "auto") -> int:
+    """Bytes one replica's collectives actually move for one sync (see `_exchange.wire_nbytes`)."""
+    n = sum(int(np.prod(s)) for s in shapes)
+    return wire_nbytes(n, fmt, num_replicas, exchange)
 
 
 def _split(flat: Array, like: list[Array]) -> list[Array]:
@@ -52,48 +58,45 @@ def _split(flat: Array, like: list[Array]) -> list[Array]:
 
 
 def mean_outer_gradient(
-    mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, gather: bool = False
+    mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, exchange: str = "auto"
 ) -> Callable[[list, list, list | None], tuple[list, Array, list | None]]:
     """shard_map'd `(replica_values, global_values, residuals) -> (mean_delta, finite, residuals)`.
 
     `replica_values` and `residuals` carry a leading replica axis sharded over `diloco`;
     `global_values` and the returned mean are replicated. `finite` is (R,): whether each
     replica's outer gradient was finite. With `skip_nonfinite`, non-finite replicas are
-    left out of the mean (if all are, the mean is zero). Format `none` uses a float32 psum
-    unless `gather` asks for the payload exchange every other format uses (for tests).
+    left out of the mean (if all are, the mean is zero). `exchange` is the collective (see
+    `_exchange`): `auto` is a float32 psum per leaf for format `none`, the one-shot payload
+    all-gather at R <= 2 and the two-phase reduce-scatter + all-gather at R > 2; `gather`
+    or `two_phase` force one (also for format `none`, which tests use).
     """
+    method = resolve_method(exchange, mesh.shape["diloco"], fmt)
 
-    def exchange(replica_values, global_values, residuals):
+    def body(replica_values, global_values, residuals):
         deltas = [g - r[0] for g, r in zip(global_values, replica_values)]
         if error_feedback:
             deltas = [d + e[0] for d, e in zip(deltas, residuals)]
         finite = all_finite(deltas)
         weight = finite.astype(jnp.float32) if skip_nonfinite else jnp.float32(1.0)
-        if fmt == "none" and not gather:
+        new_residuals = None
+        if method == "psum":
             # Lossless: a float32 psum of each replica's delta (zeroed if it is skipped).
             totals = [jax.lax.psum(jnp.where(weight > 0, d, jnp.zeros_like(d)), "diloco") for d in deltas]
-            new_residuals = None
         else:
             # All leaves of the group travel as one flat vector: one payload, one padded tail.
             flat = jnp.concatenate([d.ravel() for d in deltas])
-            payload = quantize.encode(flat, fmt)
-            new_residuals = None
+            total, own_error = exchange_sum(flat, weight, fmt, method=method)
             if error_feedback:
-                residual = flat - quantize.decode(payload, fmt, flat.shape)
                 # A non-finite outer gradient must not leave a NaN residual behind: it would be
                 # added to every later delta of this group and skip the replica forever.
-                residual = jnp.where(finite, residual, jnp.zeros_like(residual))
+                residual = jnp.where(finite, own_error, jnp.zeros_like(own_error))
                 new_residuals = [r.reshape(d.shape)[None] for r, d in zip(_split(residual, deltas), deltas)]
-            gathered = jax.lax.all_gather(payload, "diloco", to="invarying")
-            decoded = quantize.decode(gathered, fmt, flat.shape)  # (R, n)
-            weights = jax.lax.all_gather(weight, "diloco", to="invarying")
-            total = jnp.sum(jnp.where(weights[:, None] > 0, decoded, jnp.zeros_like(decoded)), axis=0)
             totals = [t.reshape(d.shape) for t, d in zip(_split(total, deltas), deltas)]
         count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
         return [t / count for t in totals], finite[None], new_residuals
 
     return jax.shard_map(
-        exchange,
+        body,
         mesh=mesh,
         in_specs=(P("diloco"), P(), P("diloco")),
         out_specs=(P(), P("diloco"), P("diloco")),
@@ -152,6 +155,7 @@ class OuterSync:
     - `error_feedback`: carry each replica's quantization residual to its next sync.
     - `shardings`: the train state's shardings (outputs are pinned to them).
     - `comm_mesh`: where overlapped syncs run (`launch`); None runs them on `mesh`.
+    - `exchange`: the collective of quantized syncs: `auto`, `gather` or `two_phase`.
 
     Two ways to sync a group: `sync` (or `sync_and_merge`) updates the state in one program
     on the compute mesh; `launch` copies the group's values to the communication mesh and
@@ -171,11 +175,12 @@ class OuterSync:
         error_feedback: bool,
         shardings: TrainState,
         comm_mesh: Mesh | None = None,
+        exchange: str = "auto",
     ):
         self.mesh, self.groups, self.outer_opt, self.fmt, self.alpha = mesh, groups, outer_opt, fmt, alpha
         self.skip_nonfinite, self.error_feedback = skip_nonfinite, error_feedback
-        self.shardings, self.comm_mesh = shardings, comm_mesh
-        flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback)
+        self.shardings, self.comm_mesh, self.exchange = shardings, comm_mesh, exchange
+        flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback, exchange=exchange)
         exchange = mean_outer_gradient(self.mesh, self.fmt, **flags)
         comm_mesh = self.comm_mesh or self.mesh
         comm_core = self._core(mean_outer_gradient(comm_mesh, self.fmt, **flags))
@@ -251,7 +256,7 @@ class OuterSync:
             if alpha == 0.0:  # plain replacement, bit-exact
                 merged = [jnp.broadcast_to(g, r.shape) for r, g in zip(replica_values, global_values)]
             else:
-                merged = [alpha * r + (1.0 - alpha) * g for r, g in zip(replica_values, global_values)]
+                merged = [alpha * r + (1.0 - alpha) * jnp.broadcast_to(g, r.shape) for r, g in zip(replica_values, global_values)]
             return dataclasses.replace(state, params=group.put(state.params, merged, layer_axis=1))
 
         return merge
@@ -288,5 +293,11 @@ class OuterSync:
         return self._fns["install"][in_flight.group](state, global_values, outer_state, residuals), finite
 
     def nbytes(self, state: TrainState, group: int) -> int:
-        """Bytes one replica sends for one sync of `group` (payload and scales)."""
-        return sync_nbytes([v.shape for v in self.groups[group].get(state.global_params)], self.fmt)
+        """Payload bytes one replica encodes for one sync of `group` (scales and padding included)."""
+        shapes = [v.shape for v in self.groups[group].get(state.global_params)]
+        return sync_nbytes(shapes, self.fmt, self.mesh.shape["diloco"], self.exchange)
+
+    def wire_nbytes(self, state: TrainState, group: int) -> int:
+        """Bytes one replica's collectives move for one sync of `group` (ring all-reduce for psum)."""
+        shapes = [v.shape for v in self.groups[group].get(state.global_params)]
+        return sync_wire_nbytes(shapes, self.fmt, self.mesh.shape["diloco"], self.exchange)

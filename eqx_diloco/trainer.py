@@ -77,6 +77,7 @@ def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
         alpha=d.alpha if diloco else 0.0,
         quantize=d.quantize if diloco else "none",
         error_feedback=d.error_feedback and diloco,
+        exchange=d.exchange if diloco else "auto",
         routers=lambda m: m.router_mask(),
         router_sync_period=d.router_sync_period if diloco else 0,
         on_nonfinite=t.on_nonfinite,
@@ -205,6 +206,7 @@ class Trainer:
 
         sent = sum(self.sent_bytes_at(s) for s in range(1, start + 1))
         peak = max([self.sent_bytes_at(s) for s in range(1, start + 1)], default=0)
+        wire = sum(self.core.wire_bytes_at(s) for s in range(1, start + 1))
         tokens_per_step = config.diloco.num_replicas * t_cfg.batch_size * t_cfg.seq_len
         pending = None  # step t's device-side metrics, read after step t+1 is dispatched
         eval_loss_value = None
@@ -222,10 +224,11 @@ class Trainer:
                 synced, applied = metrics.pop("synced_fragment"), metrics.pop("applied_fragment")
                 sent += self.sent_bytes_at(t)
                 peak = max(peak, self.sent_bytes_at(t))
+                wire += self.core.wire_bytes_at(t)
                 if pending is not None:
                     last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
                 pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
-                               peak=peak, router_drift=drift)
+                               wire=wire, peak=peak, router_drift=drift)
                 eval_due = t == t_cfg.steps or (t_cfg.eval_every and t % t_cfg.eval_every == 0)
                 save_due = self.checkpointer.due(t) or t == t_cfg.steps
                 if eval_due or save_due:
@@ -250,6 +253,7 @@ class Trainer:
             "step": t_cfg.steps,
             "eval_loss": eval_loss_value,
             "sent_bytes": sent,
+            "wire_bytes": wire,
             "peak_sync_bytes": peak,
         }
 
@@ -284,6 +288,7 @@ class Trainer:
             "grad_norm": float(np.mean(m["grad_norm"])),
             "tokens_per_s": tokens_per_s,
             "sent_bytes": pending["sent"],
+            "wire_bytes": pending["wire"],
             "peak_sync_bytes": pending["peak"],
             "synced_fragment": pending["synced"],
             "applied_fragment": pending["applied"],

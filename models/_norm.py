@@ -22,4 +22,4 @@ class RMSNorm(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         scale = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        return x * scale * self.weight
+        return x * scale * jnp.broadcast_to(self.weight, x.shape)  # explicit: rank promotion is an error in tests

@@ -65,6 +65,8 @@ def reference_diloco(trainer, steps: int):
         applied = schedule.applied_fragment(t, H, P, tau)
         if applied is not None:
             m = masks[applied]
-            params = jax.tree.map(lambda k, r, g: jnp.where(k, alpha * r + (1 - alpha) * g, r), m, params,
-                                  global_params)
+            merge = lambda k, r, g: jnp.where(  # noqa: E731
+                jnp.broadcast_to(k, r.shape), alpha * r + (1 - alpha) * jnp.broadcast_to(g, r.shape), r
+            )
+            params = jax.tree.map(merge, m, params, global_params)
     return losses, global_params, params

@@ -54,15 +54,15 @@ def test_data_axis_splits_the_batch_without_changing_the_math(make_config):
 
 
 @pytest.mark.parametrize("grid", [(4, 1), (2, 2)])
-@pytest.mark.parametrize("gather", [False, True])
-def test_shard_map_outer_mean_equals_vmap_reference(grid, gather):
+@pytest.mark.parametrize("exchange", ["auto", "gather", "two_phase"])
+def test_shard_map_outer_mean_equals_vmap_reference(grid, exchange):
     R, D = grid
     mesh = jax.make_mesh(grid, ("diloco", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     keys = jax.random.split(jax.random.key(0), 3)
     replicas = [jax.random.normal(keys[0], (R, 5, 3)), jax.random.normal(keys[1], (R, 7))]
     globals_ = [jax.random.normal(keys[2], (5, 3)), jax.numpy.zeros((7,))]
     replicas = jax.device_put(replicas, NamedSharding(mesh, P("diloco")))
-    exchange = mean_outer_gradient(mesh, "none", skip_nonfinite=False, error_feedback=False, gather=gather)
+    exchange = mean_outer_gradient(mesh, "none", skip_nonfinite=False, error_feedback=False, exchange=exchange)
     mean, finite, _ = jax.jit(exchange)(replicas, globals_, None)
     reference = jax.vmap(lambda r: [g - x for g, x in zip(globals_, r)])(replicas)
     for got, ref in zip(mean, reference):

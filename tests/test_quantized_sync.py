@@ -27,15 +27,16 @@ def test_sent_bytes_ratios_from_metrics(make_config):
     assert ratios["int4"] <= 0.14 and ratios["e3m0"] <= 0.14
 
 
-def test_lossless_payload_exchange_equals_psum_in_training(make_config, monkeypatch):
-    """Force format `none` through the all_gather payload path: same run as the psum path."""
+@pytest.mark.parametrize("exchange", ["gather", "two_phase"])
+def test_lossless_payload_exchange_equals_psum_in_training(make_config, monkeypatch, exchange):
+    """Force format `none` through a payload exchange: same run as the psum path."""
     import eqx_diloco.outer as outer
 
     psum = make_config(diloco=dict(num_replicas=4, sync_period=2), train=dict(steps=6))
     Trainer(psum, verbose=False).run()
     original = outer.mean_outer_gradient
-    monkeypatch.setattr(outer, "mean_outer_gradient", lambda *a, **kw: original(*a, **{**kw, "gather": True}))
-    gathered = dataclasses.replace(psum, run_dir=psum.run_dir.parent / "gathered")
+    monkeypatch.setattr(outer, "mean_outer_gradient", lambda *a, **kw: original(*a, **{**kw, "exchange": exchange}))
+    gathered = dataclasses.replace(psum, run_dir=psum.run_dir.parent / exchange)
     trainer = Trainer(gathered, verbose=False)
     trainer.run()
     np.testing.assert_allclose(train_losses(psum.run_dir), train_losses(gathered.run_dir), rtol=1e-6)
@@ -72,3 +73,27 @@ def test_error_feedback_keeps_the_quantization_residual(make_config):
         got = jnp.concatenate([e[replica].ravel() for e in jax.device_get(state.residuals[0])])
         np.testing.assert_allclose(got, expected, atol=1e-7)
         assert float(jnp.abs(got).max()) > 0
+
+
+def test_wire_bytes_follow_the_collective(make_config):
+    """At R = 4, int4 two-phase moves ~1/8 of the float32 ring all-reduce; the one-shot gather twice that."""
+    lines = {}
+    for name, diloco in {
+        "f32": dict(),
+        "gather": dict(quantize="int4", exchange="gather"),
+        "two_phase": dict(quantize="int4", exchange="two_phase"),
+    }.items():
+        config = make_config(diloco=dict(num_replicas=4, sync_period=2, **diloco), train=dict(steps=4))
+        config = dataclasses.replace(config, run_dir=config.run_dir.parent / name)
+        trainer = Trainer(config, verbose=False)
+        trainer.run()
+        lines[name] = [line for line in read_metrics(config.run_dir) if "wire_bytes" in line][-1]
+        n = sum(x.size for x in jax.tree.leaves(trainer.abstract_model))
+        syncs = 2  # steps 2 and 4
+        if name == "f32":
+            assert lines[name]["wire_bytes"] == syncs * -(-2 * 3 * 4 * n // 4)  # ring all-reduce
+            assert lines[name]["sent_bytes"] == syncs * 4 * n
+    f32 = lines["f32"]["wire_bytes"]
+    assert lines["two_phase"]["wire_bytes"] <= 0.14 * f32
+    assert lines["gather"]["wire_bytes"] > 1.9 * lines["two_phase"]["wire_bytes"]
+    assert lines["gather"]["sent_bytes"] <= lines["two_phase"]["sent_bytes"]  # two-phase pads to 4 chunks
