@@ -2,21 +2,31 @@
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 def to_jsonable(obj: Any) -> Any:
+    """`obj` as plain JSON values: dataclasses and dicts as objects, NaN and +-Inf as None (`null`)."""
     if dataclasses.is_dataclass(obj):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Path):
         return str(obj)
+    if isinstance(obj, dict):
+        return {k: to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(x) for x in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None  # bare NaN / Infinity are not JSON
     return obj
 
 
@@ -55,7 +65,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(to_jsonable(record), allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ by default), left-aligned and padded on the right while the text is shorter than
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -102,9 +103,20 @@ def decode(tokens: np.ndarray, vocab_size: int) -> str:
 def encode(text: str, vocab_size: int) -> np.ndarray:
     """Byte-level token ids of `text` (or whitespace-separated ids for vocabularies over 256)."""
     if vocab_size <= 256:
-        ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+        try:
+            ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+        except UnicodeEncodeError:  # undecodable bytes on the command line arrive as lone surrogates
+            raise ConfigError("--prompt is not valid UTF-8") from None
     else:
-        ids = np.array([int(x) for x in text.split()], np.int32)
+        try:
+            values = [int(x) for x in text.split()]
+        except ValueError:
+            raise ConfigError(f"--prompt must be whitespace-separated token ids for a vocabulary of {vocab_size}") from None
+        if values and min(values) < 0:
+            raise ConfigError(f"--prompt holds a negative token id ({min(values)})")
+        if values and max(values) >= vocab_size:
+            raise ConfigError(f"--prompt holds token {max(values)}, beyond the model's vocabulary of {vocab_size}")
+        ids = np.array(values, np.int32)
     if ids.size and int(ids.max()) >= vocab_size:
         raise ConfigError(f"--prompt holds token {int(ids.max())}, beyond the model's vocabulary of {vocab_size}")
     return ids
@@ -128,9 +140,18 @@ def main(argv: list[str] | None = None) -> int:
                                  ("--top-k", args.top_k, 0)]:
             if value < low:
                 raise ConfigError(f"{flag} must be >= {low} (got {value})")
+        if not math.isfinite(args.temperature):
+            raise ConfigError(f"--temperature must be a finite number >= 0 (got {args.temperature})")
         if args.context is not None and args.context < 1:
             raise ConfigError(f"--context must be >= 1 (got {args.context})")
         info = read_model_info(args.model)
+        trained = info.get("seq_len")
+        if not isinstance(trained, int) or trained < 1:
+            trained = None
+        if args.context is not None and trained is not None and args.context > trained:
+            raise ConfigError(
+                f"--context must be <= {trained}, the sequence length the model was trained on (got {args.context})"
+            )
         model = load_model(args.model)
         vocab = model.config.vocab_size
         prompt = encode(args.prompt, vocab)
@@ -139,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    context = args.context or int(info.get("seq_len", 128))
+    context = args.context or trained or 128
     tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       seed=args.seed, context=context)
     sep = "" if vocab <= 256 else " "

@@ -1,0 +1,127 @@
+"""Checks that run before any training step, so a run that cannot finish fails at once.
+
+- `check_writable`: the run folder and the checkpoint folder can be created and written.
+- `check_memory`: the biggest arrays a step or an evaluation makes fit in this machine's RAM.
+- `RunDirLock`: one trainer per run folder at a time.
+
+Each failure is a `ConfigError` with one line naming the flag.
+"""
+
+import errno
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+from .config import Config, ConfigError
+
+
+def _check_folder(path: Path, flag: str) -> None:
+    """Create `path` (and its parents) if missing and prove a file can be written there."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} is not a folder: {path}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".write_check_"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} is not writable: {path}: {e.strerror or e}") from None
+
+
+def checkpoint_folder(config: Config) -> Path:
+    """Where the run's checkpoints go (`--checkpoint.dir`, else `<run-dir>/checkpoints`)."""
+    return config.checkpoint.dir or config.run_dir / "checkpoints"
+
+
+def check_writable(config: Config) -> None:
+    """Raise `ConfigError` unless the run folder and the checkpoint folder are writable folders.
+
+    Creates both if missing (the trainer would create them anyway).
+    """
+    _check_folder(Path(config.run_dir), "--run-dir")
+    _check_folder(Path(checkpoint_folder(config)), "--checkpoint.dir" if config.checkpoint.dir else "--run-dir")
+
+
+def available_memory_bytes() -> int:
+    """RAM this process can still get: MemAvailable from /proc/meminfo, else free physical pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_estimates(config: Config, num_processes: int = 1) -> dict[str, int]:
+    """Rough bytes of the biggest float32 arrays one process holds at once, by the flag that sets them.
+
+    - `--train.batch-size`: a training step over this process's replicas keeps the logits, their
+      softmax and their gradient (3 x sequences x seq_len x vocab) plus each layer's activations
+      for the backward pass (about (6 + 2 x mlp_ratio) x dim per token and layer).
+    - `--train.eval-sequences`: an evaluation of the global model makes the logits of every
+      held-out sequence at once, and their softmax.
+
+    Meant as a lower bound: parameters, optimizer state, attention scores and XLA's temporaries
+    are left out, so a refusal means the run could not fit, not that it might not.
+    """
+    m, t = config.model, config.train
+    local_replicas = max(1, config.diloco.num_replicas // max(1, num_processes))
+    tokens = local_replicas * t.batch_size * t.seq_len
+    per_token = 3 * m.vocab_size + m.num_layers * (6 + 2 * m.mlp_ratio) * m.dim
+    eval_tokens = t.eval_sequences * t.seq_len
+    return {
+        "--train.batch-size": 4 * tokens * per_token,
+        "--train.eval-sequences": 4 * eval_tokens * 2 * m.vocab_size,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(config: Config, *, num_processes: int = 1, available: int | None = None) -> None:
+    """Raise `ConfigError` naming the flag whose arrays (see `memory_estimates`) exceed `available` RAM."""
+    available = available_memory_bytes() if available is None else available
+    for flag, need in memory_estimates(config, num_processes).items():
+        if need > available:
+            raise ConfigError(
+                f"{flag} is too large for this machine: its arrays need about {_gib(need)}, "
+                f"{_gib(available)} of memory is available (lower {flag} or --train.seq-len)"
+            )
+
+
+class RunDirLock:
+    """An exclusive lock on `<run_dir>/.lock` for the life of a run (a context manager).
+
+    A second trainer on the same folder gets a `ConfigError` at once instead of interleaving
+    its metrics and checkpoints with the first one's. The lock is `flock`-based, so the
+    kernel drops it when the holder exits, however it exits (no stale lock after a kill).
+    """
+
+    def __init__(self, run_dir: Path | str):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunDirLock":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                by = f" (pid {holder})" if holder.isdigit() else ""
+                raise ConfigError(f"--run-dir {self.run_dir} is in use by another trainer{by}") from None
+            raise ConfigError(f"--run-dir {self.run_dir}: cannot lock {self.path}: {e.strerror}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the flock
+            self._fd = None

@@ -1,0 +1,124 @@
+"""The launcher's supervision, with a stand-in child (`launch_child.py`) so no JAX program runs:
+signals are forwarded and nothing is left running, the first real failure is blamed, and a
+default log folder lives only as long as it explains something."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _start(tmp_path, modes: list[str], *launcher_flags: str) -> tuple[subprocess.Popen, Path]:
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = dict(os.environ, LAUNCH_CHILD_DIR=str(pid_dir), LAUNCH_CHILD_MODES=",".join(modes),
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(len(modes)), "--module", "launch_child",
+           *launcher_flags]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), pid_dir
+
+
+def _child_pids(proc: subprocess.Popen, pid_dir: Path, n: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(list(pid_dir.glob("pid_[0-9]*"))) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the children did not start"
+        time.sleep(0.05)
+    return [int((pid_dir / f"pid_{i}").read_text()) for i in range(n)]
+
+
+def _assert_gone(pids: list[int], within: float) -> None:
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_signal_to_the_launcher_reaches_every_process_and_leaves_none(tmp_path, sig):
+    proc, pid_dir = _start(tmp_path, ["sleep", "sleep"])
+    pids = _child_pids(proc, pid_dir, 2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + sig, err
+    _assert_gone(pids, within=5)
+    assert f"got {sig.name}" in err
+
+
+def test_processes_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path):
+    proc, pid_dir = _start(tmp_path, ["ignore", "ignore"], "--grace-s", "1")
+    pids = _child_pids(proc, pid_dir, 2)
+    time.sleep(0.3)  # let them install their handlers
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM
+    _assert_gone(pids, within=5)
+    assert time.monotonic() - sent < 10
+
+
+def test_processes_die_with_a_killed_launcher(tmp_path):
+    proc, pid_dir = _start(tmp_path, ["ignore", "ignore"])
+    pids = _child_pids(proc, pid_dir, 2)
+    proc.kill()  # the launcher gets no chance to clean up: PR_SET_PDEATHSIG must do it
+    proc.communicate(timeout=10)
+    _assert_gone(pids, within=10)
+
+
+def test_a_frozen_process_is_blamed_not_the_one_that_gave_up_on_it(tmp_path):
+    proc, pid_dir = _start(tmp_path, ["fail", "freeze"], "--grace-s", "2")
+    pids = _child_pids(proc, pid_dir, 2)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    assert "process 1 of 2 was stopped (frozen); process 0 exited with code 3" in err, err
+    _assert_gone(pids, within=5)
+
+
+def test_the_process_jax_reports_as_silent_is_blamed(tmp_path):
+    proc, pid_dir = _start(tmp_path, ["gave-up-on-1", "sleep"])
+    pids = _child_pids(proc, pid_dir, 2)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    assert "process 1 of 2 stopped sending heartbeats" in err, err
+    _assert_gone(pids, within=5)
+
+
+def test_a_failing_process_is_blamed_and_its_logs_are_kept(tmp_path):
+    proc, pid_dir = _start(tmp_path, ["sleep", "fail"])
+    _child_pids(proc, pid_dir, 2)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    assert "process 1 of 2 exited with code 3" in err, err
+    kept = list(tmp_path.glob("eqx_diloco_launch_*"))
+    assert len(kept) == 1 and f"logs are in {kept[0]}" in err
+    assert sorted(p.name for p in kept[0].iterdir()) == ["process_0.log", "process_1.log"]
+
+
+def test_default_log_folder_is_removed_after_success(tmp_path):
+    proc, pid_dir = _start(tmp_path, ["ok", "ok", "ok"])
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert len(list(pid_dir.glob("pid_[0-9]*"))) == 3
+    assert not list(tmp_path.glob("eqx_diloco_launch_*"))
+
+
+def test_a_given_log_folder_is_kept_after_success(tmp_path):
+    proc, _ = _start(tmp_path, ["ok", "ok"], "--log-dir", str(tmp_path / "logs"))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "logs" / "process_1.log").exists()
