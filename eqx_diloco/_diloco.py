@@ -27,6 +27,7 @@ from ._errors import ConfigError
 from .checkpoint import Checkpointer
 from .groups import make_groups
 from .mesh import build_meshes, ensure_cpu_devices
+from ._eager import OverlappedOuter
 from .outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes, sync_wire_nbytes
 from .state import TrainState, build_state, state_shardings
 from .step import LossFn, make_inner_step
@@ -74,6 +75,12 @@ class DiLoCo:
     - `alpha`: merge weight of the replica's own values (0 replaces them).
     - `quantize`: wire format of outer gradients: none, bf16, fp8, int8, int4, e3m0.
     - `error_feedback`: carry each replica's quantization residual to its next sync.
+    - `outer_overlap`: `none` (a sync blocks, or overlaps tau steps), or overlap each sync's
+      whole exchange with the next round of that group (arXiv 2502.12996, see `_eager`):
+      `delayed` applies the averaged outer gradient one outer step late, `eager` uses each
+      replica's fresh outer gradient in place of its stale share and corrects with the
+      others' when they arrive. Needs overlap_steps=0, alpha=0, no router group; eager
+      also needs on_nonfinite="stop".
     - `exchange`: the collective of a quantized sync: `gather` (one-shot all-gather of every
       replica's payload: (R - 1) payloads sent, R decoded), `two_phase` (packed
       reduce-scatter + all-gather: 2 (R - 1) / R of a payload sent, O(n) decode memory, two
@@ -112,6 +119,7 @@ class DiLoCo:
         alpha: float = 0.0,
         quantize: str = "none",
         error_feedback: bool = False,
+        outer_overlap: Literal["none", "delayed", "eager"] = "none",
         exchange: Literal["auto", "gather", "two_phase"] = "auto",
         routers: Callable[[PyTree], PyTree] | None = None,
         router_sync_period: int = 0,
@@ -148,8 +156,19 @@ class DiLoCo:
             _require(not router_sync_period or routers is not None, "router_sync_period needs a routers selector")
             _require(not router_sync_period or sync_period % router_sync_period == 0,
                      f"router_sync_period must divide sync_period (got K={router_sync_period}, H={sync_period})")
+            _require(outer_overlap in ("none", "delayed", "eager"),
+                     f"outer_overlap must be none, delayed or eager (got {outer_overlap!r})")
+            if outer_overlap != "none":
+                _require(overlap_steps == 0, f"outer_overlap={outer_overlap} already overlaps a whole round; "
+                                             f"it does not combine with overlap_steps > 0")
+                _require(alpha == 0, f"outer_overlap={outer_overlap} restarts replicas from the new anchor; "
+                                     f"it does not combine with alpha > 0")
+                _require(router_sync_period == 0, f"outer_overlap={outer_overlap} does not combine with router_sync_period")
+                _require(outer_overlap != "eager" or on_nonfinite == "stop",
+                         "outer_overlap=eager needs on_nonfinite='stop' (a skipped replica cannot be taken out "
+                         "of proxies the others already applied)")
         else:
-            for name, off in [("num_fragments", num_fragments == 1), ("overlap_steps", overlap_steps == 0),
+            for name, off in [("outer_overlap", outer_overlap == "none"), ("num_fragments", num_fragments == 1), ("overlap_steps", overlap_steps == 0),
                               ("alpha", alpha == 0), ("quantize", quantize == "none"),
                               ("error_feedback", not error_feedback), ("router_sync_period", router_sync_period == 0)]:
                 _require(off, f"{name} applies to algorithm='diloco' only, not ddp")
@@ -159,11 +178,12 @@ class DiLoCo:
         self.outer_optimizer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
         self.fragment_pattern, self.overlap_steps, self.alpha = fragment_pattern, overlap_steps, alpha
         self.quantize, self.error_feedback, self.exchange = quantize, error_feedback, exchange
+        self.outer_overlap = outer_overlap if algorithm == "diloco" else "none"
         self.routers, self.router_sync_period = routers, router_sync_period
         self.on_nonfinite, self.algorithm = on_nonfinite, algorithm
         self.is_diloco = algorithm == "diloco"
         if mesh is None:
-            overlapped = self.is_diloco and overlap_steps > 0
+            overlapped = self.is_diloco and (overlap_steps > 0 or self.outer_overlap != "none")
             comm = comm_device if overlapped else "off"
             # Harmless where JAX has already started; then build_meshes says what is missing.
             ensure_cpu_devices(num_replicas * (data_parallel + int(comm != "off")))
@@ -202,11 +222,13 @@ class DiLoCo:
         self._build_kwargs = dict(
             num_replicas=self.num_replicas, groups=self.groups, inner_opt=self.inner_optimizer,
             outer_opt=self.outer_optimizer if self.is_diloco else None, error_feedback=self.error_feedback,
+            outer_overlap=self.outer_overlap,
         )
         self.abstract_state = eqx.filter_eval_shape(
             lambda p: build_state(p, **self._build_kwargs, key=jax.random.key(0)), abstract
         )
-        self.shardings = state_shardings(self.abstract_state, self.mesh)
+        eager = self.outer_overlap == "eager"
+        self.shardings = state_shardings(self.abstract_state, self.mesh, per_replica_anchors=eager)
         skip = self.on_nonfinite == "skip"
         self.inner_step = make_inner_step(
             self.mesh, self.inner_optimizer, self.loss_fn, static, ddp=not self.is_diloco, skip_nonfinite=skip
@@ -214,14 +236,22 @@ class DiLoCo:
         self.outer = None
         self.group_bytes: list[int] = []
         self.group_wire_bytes: list[int] = []
+        self.overlapped = None
+        if self.outer_overlap != "none":
+            self.overlapped = OverlappedOuter(
+                mesh=self.mesh, comm_mesh=self.comm_mesh, groups=self.groups, outer_opt=self.outer_optimizer,
+                mode=self.outer_overlap, fmt=self.quantize, exchange=self.exchange, skip_nonfinite=skip,
+                error_feedback=self.error_feedback, shardings=self.shardings,
+            )
         if self.is_diloco:
-            self.outer = OuterSync(
+            self.outer = None if self.overlapped is not None else OuterSync(
                 mesh=self.mesh, groups=self.groups, outer_opt=self.outer_optimizer, fmt=self.quantize,
                 alpha=self.alpha, skip_nonfinite=skip, error_feedback=self.error_feedback,
                 shardings=self.shardings, comm_mesh=self.comm_mesh, exchange=self.exchange,
             )
-            self.group_bytes = [self.outer.nbytes(self.abstract_state, g) for g in range(len(self.groups))]
-            self.group_wire_bytes = [self.outer.wire_nbytes(self.abstract_state, g) for g in range(len(self.groups))]
+            shapes = [[v.shape for v in group.get(abstract)] for group in self.groups]
+            self.group_bytes = [sync_nbytes(s, self.quantize, self.num_replicas, self.exchange) for s in shapes]
+            self.group_wire_bytes = [sync_wire_nbytes(s, self.quantize, self.num_replicas, self.exchange) for s in shapes]
         # A data-parallel step sends one full float32 gradient: the denominator of every bandwidth claim.
         shapes = [x.shape for x in jax.tree.leaves(abstract)]
         self.ddp_step_bytes = sync_nbytes(shapes, "none")
@@ -295,6 +325,8 @@ class DiLoCo:
         if not self.is_diloco:
             return state, None, None, None
         synced, applied = self.events(t)
+        if self.overlapped is not None:
+            return self._overlapped_outer_steps(state, synced)
         finished = []
         if self.router_due(t):  # routers are small: a blocking sync, merged at once
             state, finite = self.outer.sync_and_merge(state, self.router_group)
@@ -312,6 +344,16 @@ class DiLoCo:
                 self._in_flight[synced] = self.outer.launch(state, synced)
         finite = functools.reduce(jnp.logical_and, finished) if finished else None
         return state, finite, synced, applied
+
+    def _overlapped_outer_steps(self, state: TrainState, synced: int | None):
+        """delayed / eager: take the arrived exchange of this group, step, launch the next one."""
+        if synced is None:
+            return state, None, None, None
+        finite = None
+        if synced in self._in_flight:  # else settled early (evaluation, checkpoint), restored, or the first round
+            state, finite = self.overlapped.install(state, self._in_flight.pop(synced))
+        state, self._in_flight[synced] = self.overlapped.sync(state, synced)
+        return state, finite, synced, synced
 
     def _current_step(self, state: TrainState) -> int:
         if state is self._last_state:
@@ -357,8 +399,9 @@ class DiLoCo:
         evaluation or a checkpoint must see. Returns (state, finite flags of those syncs).
         """
         finished = []
+        install = self.outer.install if self.overlapped is None else self.overlapped.install
         for group in sorted(self._in_flight):
-            state, finite = self.outer.install(state, self._in_flight.pop(group))
+            state, finite = install(state, self._in_flight.pop(group))
             finished.append(finite)
         if self._last_state is not None:
             self._last_state = state
@@ -368,6 +411,10 @@ class DiLoCo:
         """theta_g with in-flight results included (the state is not consumed); ddp: replica 0."""
         if not self.is_diloco:
             return jax.tree.map(lambda x: x[0], state.params)
+        if self.outer_overlap == "eager":  # per-replica anchors: their mean
+            return jax.tree.map(lambda x: jnp.mean(x, axis=0), state.global_params)
+        if self.overlapped is not None:  # delayed: theta_g only moves at its syncs
+            return state.global_params
         global_params = state.global_params
         for group in sorted(self._in_flight):
             new_values = self._in_flight[group].outputs[0]

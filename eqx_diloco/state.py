@@ -32,6 +32,12 @@ class TrainState(eqx.Module):
     - `global_params`: the outer parameters theta_g, identical on every replica (None for ddp).
     - `outer_states`: one outer optimizer state per parameter group, over that group's values.
     - `residuals`: per group, each replica's quantization residual (error feedback), or None.
+    - `mail_mean`: with whole-round overlap (`outer_overlap` delayed / eager), per group the
+      mean outer gradient of the previous exchange once it has arrived (else None).
+    - `mail_own`: eager only, per group each replica's own contribution to that exchange.
+
+    With `outer_overlap="eager"`, `global_params` and `outer_states` are per replica (a
+    leading replica axis): each replica steps its own anchor.
     """
 
     step: Int[Array, ""]
@@ -41,6 +47,8 @@ class TrainState(eqx.Module):
     global_params: PyTree | None
     outer_states: tuple[PyTree, ...]
     residuals: tuple[list[Array], ...] | None
+    mail_mean: tuple[list[Array], ...] | None = None
+    mail_own: tuple[list[Array], ...] | None = None
 
 
 def build_state(
@@ -52,6 +60,7 @@ def build_state(
     outer_opt: optax.GradientTransformation | None,
     error_feedback: bool,
     key: PRNGKeyArray,
+    outer_overlap: str = "none",
 ) -> TrainState:
     """A fresh state (unplaced). Every replica starts from `params`.
 
@@ -63,6 +72,8 @@ def build_state(
     - `inner_opt`, `outer_opt`: the optimizers (`outer_opt` None for ddp).
     - `error_feedback`: allocate per-replica quantization residuals.
     - `key`: folded with each replica index into that replica's dropout key stream.
+    - `outer_overlap`: `none`, `delayed` or `eager` (see `_eager`): adds the mailboxes,
+      and for eager per-replica anchors and outer states.
     """
     replica_params = broadcast_replicas(params, num_replicas)
     opt_state = jax.vmap(inner_opt.init)(replica_params)
@@ -73,24 +84,34 @@ def build_state(
     values = [group.get(params) for group in groups]
     outer_states = tuple(outer_opt.init(v) for v in values)
     residuals = None
+    per_replica_zeros = lambda v: [jnp.zeros((num_replicas, *x.shape), x.dtype) for x in v]  # noqa: E731
     if error_feedback:
-        residuals = tuple([jnp.zeros((num_replicas, *x.shape), x.dtype) for x in v] for v in values)
-    return TrainState(step, replica_params, opt_state, keys, params, outer_states, residuals)
+        residuals = tuple(per_replica_zeros(v) for v in values)
+    if outer_overlap == "none":
+        return TrainState(step, replica_params, opt_state, keys, params, outer_states, residuals)
+    mail_mean = tuple([jnp.zeros_like(x) for x in v] for v in values)
+    if outer_overlap == "delayed":
+        return TrainState(step, replica_params, opt_state, keys, params, outer_states, residuals, mail_mean)
+    anchors = broadcast_replicas(params, num_replicas)
+    outer_states = tuple(broadcast_replicas(s, num_replicas) for s in outer_states)
+    mail_own = tuple(per_replica_zeros(v) for v in values)
+    return TrainState(step, replica_params, opt_state, keys, anchors, outer_states, residuals, mail_mean, mail_own)
 
 
-def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
-    """A tree like `state` holding each leaf's NamedSharding: replica fields over `diloco`."""
+def state_shardings(state: TrainState, mesh: Mesh, *, per_replica_anchors: bool = False) -> TrainState:
+    """A tree like `state` holding each leaf's NamedSharding: replica fields over `diloco`.
+
+    `per_replica_anchors` (eager) also shards `global_params` and `outer_states` over `diloco`.
+    """
+    replica_fields = REPLICA_FIELDS + ("mail_own",)
+    if per_replica_anchors:
+        replica_fields += ("global_params", "outer_states")
     replica = NamedSharding(mesh, PartitionSpec("diloco"))
     replicated = NamedSharding(mesh, PartitionSpec())
     fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
     return TrainState(
         **{
-            name: jax.tree.map(lambda _: replica if name in REPLICA_FIELDS else replicated, value)
+            name: jax.tree.map(lambda _, name=name: replica if name in replica_fields else replicated, value)
             for name, value in fields.items()
         }
     )
-
-
-def abstract_state(build) -> TrainState:
-    """The shapes and dtypes `build()` would return, without computing anything."""
-    return eqx.filter_eval_shape(build)

@@ -1,0 +1,202 @@
+"""Whole-round overlapped outer steps: `delayed` and `eager` (Kale, Douillard, Donchev 2025).
+
+"Eager Updates For Overlapped Communication and Computation in DiLoCo" (arXiv 2502.12996)
+overlaps the *entire* outer exchange of round k with the inner steps of round k + 1: at a
+sync, every replica sends its outer gradient and starts the next round at once; the
+average arrives while it trains and is used one round later. Per parameter group g (a
+Streaming DiLoCo fragment, or everything when P = 1), at the k-th sync of g, replica m has
+its anchor a_m (the point its round started from) and its params theta_m:
+
+- Delta_m = a_m - theta_m (its fresh outer gradient); x_m = Delta_m (+ its error-feedback
+  residual) is what it sends;
+- Dbar = the mean of the x's sent at the previous sync of g (arrived in the background;
+  zero at the first sync); own_m = what replica m itself contributed to Dbar (its x as it
+  decodes on the wire: decode(encode(x_m)), or x_m for float32);
+- **delayed**: theta_g <- OuterOpt(theta_g, Dbar): the average lands one outer step late;
+  all anchors are theta_g and stay identical on every replica;
+- **eager**: the replica replaces its own stale share of Dbar by its fresh outer gradient,
+  `Dtilde_m = Delta_m / R + (Dbar - own_m / R)`, i.e. (1/R) [Delta_m + sum_{r != m} x_r
+  (previous round)], and steps its *own* copy: a_m <- OuterOpt_m(a_m, Dtilde_m). Anchors
+  and outer-optimizer states are therefore per replica (they differ by the eager term).
+  Over rounds the proxies telescope to the true averages; with R = 1 eager is exactly
+  blocking DiLoCo (Dbar = own_m, so Dtilde = Delta).
+- then every replica restarts from its anchor (theta_m[g] <- a_m[g]) and the exchange of
+  the x's is launched (on the communication devices when there are any).
+
+Choices where the paper leaves room (and why):
+
+- The fresh local term uses the *unquantized* Delta_m (the replica has it exactly; only the
+  wire is lossy), and the removed stale term is the replica's contribution *as received*
+  (decoded), so the proxy contains exactly the other replicas' received values.
+- The first sync of a group has nothing in flight: Dbar = own = 0 (delayed makes no
+  move; eager steps with Delta_m / R).
+- Error feedback carries each replica's quantization residual of what it sent (as for the
+  blocking sync) and is installed with the arrived exchange, before the next x is formed.
+- The evaluated "global model" of eager is the mean of the replicas' anchors (they agree
+  up to the eager term); for delayed it is theta_g.
+- A non-finite replica cannot be skipped out of an eager proxy that others already used,
+  so eager needs `on_nonfinite="stop"`; delayed supports `skip` (the mean leaves it out).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import quantize
+from ._exchange import exchange_sum, resolve_method
+from ._tree import all_finite
+from .groups import ParamGroup
+from .state import TrainState
+
+PyTree = Any
+
+
+def _split(flat, like):
+    offsets = np.cumsum([int(np.prod(x.shape)) for x in like])[:-1]
+    return [piece.reshape(x.shape) for piece, x in zip(jnp.split(flat, offsets), like)]
+
+
+def _replace(items: tuple, i: int, value) -> tuple:
+    return items[:i] + (value,) + items[i + 1 :]
+
+
+@dataclasses.dataclass
+class InFlightExchange:
+    """A group's launched exchange: (mean, finite (R,), own error) still on its way."""
+
+    group: int
+    outputs: PyTree
+
+
+class OverlappedOuter:
+    """Jitted programs of the `delayed` / `eager` outer step for each parameter group.
+
+    **Arguments (keyword-only):**
+
+    - `mesh`, `comm_mesh`: the compute mesh and (optionally) the communication mesh the
+      exchanges run on.
+    - `groups`: the parameter groups; group i owns `outer_states[i]`, `residuals[i]`,
+      `mail_mean[i]` and `mail_own[i]`.
+    - `outer_opt`: the outer optimizer.
+    - `mode`: `delayed` or `eager`.
+    - `fmt`, `exchange`: wire format and collective (see `_exchange`).
+    - `skip_nonfinite`, `error_feedback`: as for the blocking sync.
+    - `shardings`: the state's shardings.
+    """
+
+    def __init__(self, *, mesh: Mesh, comm_mesh: Mesh | None, groups: tuple[ParamGroup, ...],
+                 outer_opt: optax.GradientTransformation, mode: str, fmt: str, exchange: str,
+                 skip_nonfinite: bool, error_feedback: bool, shardings: TrainState):
+        self.mesh, self.comm_mesh, self.groups, self.outer_opt = mesh, comm_mesh, groups, outer_opt
+        self.mode, self.fmt, self.error_feedback, self.skip_nonfinite = mode, fmt, error_feedback, skip_nonfinite
+        self.num_replicas = mesh.shape["diloco"]
+        exchange_mesh = comm_mesh or mesh
+        self.method = resolve_method(exchange, self.num_replicas, fmt)
+        on = lambda spec: NamedSharding(exchange_mesh, spec)  # noqa: E731
+        self._exchange = jax.jit(
+            self._exchange_fn(exchange_mesh),
+            out_shardings=(on(P()), on(P("diloco")), on(P("diloco"))),
+        )
+        per_replica = NamedSharding(mesh, P("diloco"))
+        self._outer = [jax.jit(self._outer_fn(i), donate_argnums=0, out_shardings=(shardings, per_replica))
+                       for i in range(len(groups))]
+        self._install = [jax.jit(self._install_fn(i), donate_argnums=0, out_shardings=shardings)
+                         for i in range(len(groups))]
+
+    # -- the exchange (runs in the background) --------------------------------------------------
+
+    def _exchange_fn(self, mesh: Mesh):
+        fmt, method, skip = self.fmt, self.method, self.skip_nonfinite
+
+        def body(sent):
+            sent = [x[0] for x in sent]
+            finite = all_finite(sent)
+            weight = finite.astype(jnp.float32) if skip else jnp.float32(1.0)
+            if method == "psum":
+                totals = [jax.lax.psum(jnp.where(weight > 0, x, jnp.zeros_like(x)), "diloco") for x in sent]
+                own_error = [jnp.zeros_like(x) for x in sent]
+            else:
+                flat = jnp.concatenate([x.ravel() for x in sent])
+                total, error = exchange_sum(flat, weight, fmt, method=method)
+                error = jnp.where(finite, error, jnp.zeros_like(error))  # never store a NaN residual
+                totals, own_error = _split(total, sent), _split(error, sent)
+            count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
+            return [t / count for t in totals], finite[None], [e[None] for e in own_error]
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("diloco"),), out_specs=(P(), P("diloco"), P("diloco")))
+
+    # -- the outer step at a sync of group i ----------------------------------------------------
+
+    def _wire_value(self, x):
+        """What a replica's vector decodes to on the other side of the wire."""
+        if self.fmt == "none":
+            return x
+        flat = jnp.concatenate([v.ravel() for v in x])
+        return _split(quantize.decode(quantize.encode(flat, self.fmt), self.fmt, flat.shape), x)
+
+    def _outer_fn(self, i: int):
+        group, opt, R, eager = self.groups[i], self.outer_opt, self.num_replicas, self.mode == "eager"
+
+        def outer(state: TrainState):
+            replicas = group.get(state.params, layer_axis=1)
+            anchors = group.get(state.global_params, layer_axis=1 if eager else 0)
+            deltas = [jnp.broadcast_to(a, r.shape) - r for a, r in zip(anchors, replicas)]
+            sent = deltas if not self.error_feedback else [d + e for d, e in zip(deltas, state.residuals[i])]
+            mean_prev = state.mail_mean[i]
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes weak floats and int32 counts
+                if eager:
+                    own_prev = state.mail_own[i]
+                    proxies = [d / R + (jnp.broadcast_to(m, d.shape) - o / R)
+                               for d, m, o in zip(deltas, mean_prev, own_prev)]
+                    updates, outer_state = jax.vmap(opt.update)(proxies, state.outer_states[i], anchors)
+                else:
+                    updates, outer_state = opt.update(mean_prev, state.outer_states[i], anchors)
+            anchors = optax.apply_updates(anchors, updates)
+            restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
+            state = dataclasses.replace(
+                state,
+                params=group.put(state.params, restart, layer_axis=1),
+                global_params=group.put(state.global_params, anchors, layer_axis=1 if eager else 0),
+                outer_states=_replace(state.outer_states, i, outer_state),
+            )
+            if eager:
+                own = jax.vmap(self._wire_value)(sent)
+                state = dataclasses.replace(state, mail_own=_replace(state.mail_own, i, own))
+            # Fresh copies: the state is donated to the next inner step while these are in flight.
+            return state, [jnp.copy(x) for x in sent]
+
+        return outer
+
+    def _install_fn(self, i: int):
+        def install(state: TrainState, mean, own_error) -> TrainState:
+            state = dataclasses.replace(state, mail_mean=_replace(state.mail_mean, i, mean))
+            if self.error_feedback:
+                state = dataclasses.replace(state, residuals=_replace(state.residuals, i, own_error))
+            return state
+
+        return install
+
+    # -- host-side API ---------------------------------------------------------------------------
+
+    def sync(self, state: TrainState, group: int) -> tuple[TrainState, InFlightExchange]:
+        """Outer step of `group` with the arrived mean; then launch this round's exchange."""
+        state, sent = self._outer[group](state)
+        if self.comm_mesh is not None:
+            from .outer import move_to_mesh
+
+            sent = move_to_mesh(sent, self.mesh, self.comm_mesh)
+        return state, InFlightExchange(group, self._exchange(sent))
+
+    def install(self, state: TrainState, in_flight: InFlightExchange) -> tuple[TrainState, jax.Array]:
+        """Put an arrived exchange into the state's mailbox (waits for it). Returns (state, finite)."""
+        mean, finite, own_error = in_flight.outputs
+        if self.comm_mesh is not None:
+            from .outer import move_to_mesh
+
+            mean, finite, own_error = move_to_mesh((mean, finite, own_error), self.comm_mesh, self.mesh)
+        return self._install[in_flight.group](state, mean, own_error), finite

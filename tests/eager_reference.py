@@ -1,0 +1,77 @@
+"""Delayed and eager outer updates (arXiv 2502.12996) written straight from the equations.
+
+A jax.vmap over replicas; no shard_map, no fragments module, no optax outer optimizer (the
+Nesterov momentum is written out), float32 exchanges. Per group g synced at its round k:
+
+    Delta_m   = a_m - theta_m                        (fresh outer gradient of replica m)
+    Dbar      = mean_r Delta_r of the previous round of g   (0 at the first round)
+    delayed:  a <- NesterovSGD(a, Dbar)              (one shared anchor)
+    eager:    a_m <- NesterovSGD_m(a_m, Delta_m / R + Dbar - Delta_m(prev) / R)
+    theta_m[g] <- a_m[g];  the exchange of this round's Delta's goes in flight.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_diloco import schedule
+
+
+def group_masks(params, num_fragments: int, depth: int, in_stack) -> list:
+    """Per group, a list (flatten order) of boolean arrays marking that group's elements."""
+    leaves = jax.tree.leaves(params)
+    masks = []
+    for g in range(num_fragments):
+        mask = []
+        for x, stacked in zip(leaves, in_stack):
+            if num_fragments == 1:
+                mask.append(np.ones(x.shape, bool))
+            elif not stacked:
+                mask.append(np.full(x.shape, g == 0))
+            else:
+                layers = np.array([layer % (num_fragments - 1) == g - 1 for layer in range(depth)])
+                mask.append(np.broadcast_to(layers.reshape((depth,) + (1,) * (x.ndim - 1)), x.shape))
+        masks.append(mask)
+    return masks
+
+
+def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, lr, mu, depth, in_stack, steps):
+    """Losses (steps, R) and the final (replica params, anchors) as flat leaf lists with a leading R axis."""
+    theta = [jnp.broadcast_to(x, (R, *x.shape)) for x in jax.tree.leaves(params)]
+    treedef = jax.tree.structure(params)
+    opt_state = jax.vmap(lambda p: inner_opt.init(jax.tree.unflatten(treedef, p)))(theta)
+    anchor = [jnp.array(x) for x in theta]  # eager: per replica; delayed: all rows equal
+    momentum = [jnp.zeros_like(x) for x in theta]
+    masks = group_masks(params, P, depth, in_stack)
+    in_flight = {}  # group -> (mean Delta over replicas, each replica's own Delta), per leaf
+
+    @jax.jit
+    @jax.vmap
+    def inner(p, o, batch):
+        loss, grads = grad_fn(jax.tree.unflatten(treedef, p), batch)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, o = inner_opt.update(grads, o, jax.tree.unflatten(treedef, p))
+        return [a + b for a, b in zip(p, jax.tree.leaves(updates))], o, loss
+
+    losses = []
+    for step in range(steps):
+        theta, opt_state, loss = inner(theta, opt_state, batches(step))
+        losses.append(np.asarray(loss))
+        g = schedule.synced_fragment(step + 1, H, P)
+        if g is None:
+            continue
+        delta = [a - x for a, x in zip(anchor, theta)]
+        zeros = ([jnp.zeros_like(d[0]) for d in delta], [jnp.zeros_like(d) for d in delta])
+        mean_prev, own_prev = in_flight.get(g, zeros)
+        if mode == "eager":
+            grad = [d / R + (jnp.broadcast_to(m, d.shape) - o / R) for d, m, o in zip(delta, mean_prev, own_prev)]
+        else:
+            grad = [jnp.broadcast_to(m, d.shape) for d, m in zip(delta, mean_prev)]
+        new_momentum = [mu * v + gr for v, gr in zip(momentum, grad)]
+        new_anchor = [a - lr * (gr + mu * v) for a, gr, v in zip(anchor, grad, new_momentum)]
+        mask = masks[g]
+        momentum = [jnp.where(k, v1, v0) for k, v1, v0 in zip(mask, new_momentum, momentum)]
+        anchor = [jnp.where(k, a1, a0) for k, a1, a0 in zip(mask, new_anchor, anchor)]
+        theta = [jnp.where(k, a, x) for k, a, x in zip(mask, anchor, theta)]
+        in_flight[g] = ([jnp.mean(d, axis=0) for d in delta], delta)
+    return np.stack(losses), theta, anchor
