@@ -39,6 +39,8 @@ class DiLoCoConfig:
     """wire format of each replica's outer gradient."""
     error_feedback: bool = False
     """keep each replica's quantization residual and add it to its next outer gradient of the same fragment."""
+    outer_overlap: Literal["none", "delayed", "eager"] = "none"
+    """overlap each sync's whole exchange with the next round of that fragment (arXiv 2502.12996): `delayed` applies the averaged outer gradient one outer step late; `eager` uses each replica's fresh outer gradient in place of its own stale share and corrects with the others' when they arrive (needs --diloco.overlap-steps 0, --diloco.alpha 0; eager needs --train.on-nonfinite stop)."""
     exchange: Literal["auto", "gather", "two_phase"] = "auto"
     """collective of a quantized sync: `gather` (all-gather every replica's payload: each sends R-1 payloads), `two_phase` (packed reduce-scatter + all-gather: each sends 2(R-1)/R of a payload, like a ring all-reduce; rounds twice) or `auto` (gather at R <= 2, two_phase above)."""
     router_sync_period: int = 0
@@ -52,7 +54,7 @@ class TrainConfig:
     """Inner optimization and the loop."""
 
     steps: int = 200
-    """total inner steps."""
+    """total inner steps. With DiLoCo, parameters whose last outer sync is older than the last step get one final sync at the end, so every inner step reaches the global model (exported and evaluated)."""
     batch_size: int = 8
     """sequences per replica per step (split over the `data` mesh axis)."""
     seq_len: int = 128
@@ -131,6 +133,8 @@ class CheckpointConfig:
     """how many recent checkpoints to keep."""
     dir: Path | None = None
     """checkpoint folder (default: `<run-dir>/checkpoints`)."""
+    restore_step: int | None = None
+    """resume from the checkpoint of exactly this step instead of the newest (e.g. one saved before a divergence); newer checkpoints are moved aside to `<step>.superseded`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +214,8 @@ def validate(config: Config) -> None:
     ]:
         _require(value >= 0, f"{flag} must be >= 0 (got {value})")
     _require(config.checkpoint.keep >= 1, f"--checkpoint.keep must be >= 1 (got {config.checkpoint.keep})")
+    _require(config.checkpoint.restore_step is None or config.checkpoint.restore_step >= 1,
+             f"--checkpoint.restore-step must be >= 1 (got {config.checkpoint.restore_step})")
     _require(0 <= d.outer_momentum < 1, f"--diloco.outer-momentum must be in [0, 1) (got {d.outer_momentum})")
     _require(0 <= t.min_lr_ratio <= 1, f"--train.min-lr-ratio must be in [0, 1] (got {t.min_lr_ratio})")
     _require(0 <= m.dropout < 1, f"--model.dropout must be in [0, 1) (got {m.dropout})")
@@ -263,6 +269,7 @@ def validate(config: Config) -> None:
             "--diloco.quantize": d.quantize != "none",
             "--diloco.error-feedback": d.error_feedback,
             "--diloco.exchange": d.exchange != "auto",
+            "--diloco.outer-overlap": d.outer_overlap != "none",
             "--diloco.router-sync-period": d.router_sync_period != 0,
         }
         for flag, set_ in streaming.items():
@@ -282,6 +289,12 @@ def validate(config: Config) -> None:
         f"--diloco.overlap-steps must be < sync-period / num-fragments (got tau={d.overlap_steps}, H/P={H // P})",
     )
     _require(0 <= d.alpha <= 1, f"--diloco.alpha must be in [0, 1] (got {d.alpha})")
+    if d.outer_overlap != "none":
+        o = d.outer_overlap
+        _require(d.overlap_steps == 0, f"--diloco.outer-overlap {o} overlaps a whole round; it does not combine with --diloco.overlap-steps > 0")
+        _require(d.alpha == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.alpha > 0")
+        _require(d.router_sync_period == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.router-sync-period")
+        _require(o != "eager" or t.on_nonfinite == "stop", "--diloco.outer-overlap eager needs --train.on-nonfinite stop")
     _require(
         not d.error_feedback or d.quantize != "none",
         "--diloco.error-feedback needs a lossy --diloco.quantize format (got none)",

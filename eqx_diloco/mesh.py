@@ -45,7 +45,8 @@ def _env_int(name: str, default: int, flag: str) -> int:
 def wants_comm_device(config: "Config") -> bool:
     """Whether syncs run on separate communication devices (only with overlap, tau > 0)."""
     d = config.diloco
-    return config.algorithm == "diloco" and d.overlap_steps > 0 and d.comm_device != "off"
+    overlapped = d.overlap_steps > 0 or d.outer_overlap != "none"
+    return config.algorithm == "diloco" and overlapped and d.comm_device != "off"
 
 
 def devices_needed(config: "Config") -> int:
@@ -98,7 +99,7 @@ def setup_devices(config: "Config") -> None:
 def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
     """The CLI's meshes: `build_meshes` from the config's flags."""
     d = config.diloco
-    overlapped = config.algorithm == "diloco" and d.overlap_steps > 0
+    overlapped = config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
     return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off")
 
 

@@ -29,6 +29,7 @@ _STATE_DEFINING = {
     "diloco.error_feedback": "--diloco.error-feedback",
     "diloco.quantize": "--diloco.quantize",
     "diloco.router_sync_period": "--diloco.router-sync-period",
+    "diloco.outer_overlap": "--diloco.outer-overlap",
 }
 
 

@@ -40,9 +40,9 @@ def global_model(state: TrainState) -> Transformer:
 
 
 @eqx.filter_jit
-def eval_loss(state: TrainState, tokens) -> jax.Array:
-    """Mean next-token cross entropy of the global model on `tokens` (no auxiliary losses)."""
-    return lm_loss(global_model(state), tokens)[1]["ce"]
+def eval_loss(model: Transformer, tokens) -> jax.Array:
+    """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses)."""
+    return lm_loss(model, tokens)[1]["ce"]
 
 
 def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -78,6 +78,7 @@ def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
         quantize=d.quantize if diloco else "none",
         error_feedback=d.error_feedback and diloco,
         exchange=d.exchange if diloco else "auto",
+        outer_overlap=d.outer_overlap if diloco else "none",
         routers=lambda m: m.router_mask(),
         router_sync_period=d.router_sync_period if diloco else 0,
         on_nonfinite=t.on_nonfinite,
@@ -258,7 +259,7 @@ class Trainer:
         }
 
     def _evaluate(self, state: TrainState, t: int, log: MetricsLog, display: ProgressDisplay | None) -> float:
-        value = float(replicated_value(eval_loss(state, self.eval_tokens)))
+        value = float(replicated_value(eval_loss(self.core.global_params(state), self.eval_tokens)))
         log.write({"step": t, "eval_loss": value})
         if display is not None:
             display.log(f"step {t:>6}  eval_loss {value:.4f}")
