@@ -61,8 +61,13 @@ def _abstract_model(model_config: TransformerConfig) -> Transformer:
     return eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(0))
 
 
-def _assemble(model_config: TransformerConfig, leaves: dict[str, np.ndarray], prefix: str, take_first: bool):
-    """Build a Transformer from checkpoint leaves `{prefix + path_in_model: array}`."""
+def _assemble(model_config: TransformerConfig, leaves: dict[str, np.ndarray], prefix: str, take_first: bool,
+              average: bool = False):
+    """Build a Transformer from checkpoint leaves `{prefix + path_in_model: array}`.
+
+    `take_first`: the leaves carry a replica axis; take replica 0. `average`: average it
+    (eager outer overlap keeps one anchor per replica; the global model is their mean).
+    """
     like = _abstract_model(model_config)
     values = []
     for path, shaped in zip(leaf_paths(like), jax.tree.leaves(like)):
@@ -70,6 +75,8 @@ def _assemble(model_config: TransformerConfig, leaves: dict[str, np.ndarray], pr
         if key not in leaves:
             raise CheckpointError(f"the checkpoint holds no {key} (it was written by another model layout)")
         value = leaves[key][0] if take_first else leaves[key]
+        if average:
+            value = np.mean(value, axis=0, dtype=np.float32).astype(value.dtype)
         if value.shape != shaped.shape or value.dtype != shaped.dtype:
             raise CheckpointError(f"{key} is {value.dtype}{value.shape} in the checkpoint, the model wants "
                                   f"{shaped.dtype}{shaped.shape}")
@@ -88,7 +95,8 @@ def restore_global_model(run_dir: Path | str, *, step: int | None = None) -> tup
     finally:
         checkpointer.close()
     config = config_from_dict(saved)
-    model = _assemble(config.model, leaves, prefix, take_first=prefix == ".params")
+    eager = config.algorithm == "diloco" and config.diloco.outer_overlap == "eager" and prefix == ".global_params"
+    model = _assemble(config.model, leaves, prefix, take_first=prefix == ".params", average=eager)
     return model, config, found
 
 
