@@ -9,7 +9,10 @@ Every method trains the same model as 2 processes (one replica each) joined by
 - diloco: a blocking sync of everything every H steps;
 - streaming: P fragments, one blocking sync every H/P steps;
 - streaming_overlap_tau{1,N}: the same, each sync running on the communication devices
-  while tau steps compute, waited for only at t + tau.
+  while tau steps compute, waited for only at t + tau;
+- eager, streaming_eager: `--diloco.outer-overlap eager` (P = 1 and P): each exchange runs
+  on the communication devices for a whole round and is waited for at the next sync of
+  the same parameters (their first installs fall inside the longer warm-up, 2H + 1).
 
 s/step is measured from the metrics' timestamps after a warm-up that covers every
 program's compilation (the first sync of every fragment); compute_only and ddp, whose
@@ -39,6 +42,9 @@ def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
         "streaming": stream,
         "streaming_overlap_tau1": [*stream, "--diloco.overlap-steps", "1"],
         f"streaming_overlap_tau{tau_large}": [*stream, "--diloco.overlap-steps", str(tau_large)],
+        # Whole-round overlap (arXiv 2502.12996): each exchange has a full round (H steps) to arrive.
+        "eager": ["--diloco.sync-period", str(H), "--diloco.outer-overlap", "eager"],
+        "streaming_eager": [*stream, "--diloco.outer-overlap", "eager"],
     }
 
 
@@ -100,6 +106,9 @@ def main(argv=None) -> int:
             if name in ("compute_only", "ddp"):
                 short = 3 + (6 if args.quick else 16)
                 results[name] = run_method(name, flags, common, args, Path(tmp), short, 3)
+            elif "eager" in name:  # the first install of every exchange (step 2H) must be warm
+                warmup = max(args.warmup, 2 * H + 1)
+                results[name] = run_method(name, flags, common, args, Path(tmp), warmup + steps - args.warmup, warmup)
             else:
                 results[name] = run_method(name, flags, common, args, Path(tmp), steps, args.warmup)
             print(f"  {name:<26} {results[name]['s_per_step']:.3f} s/step", flush=True)

@@ -1,0 +1,123 @@
+"""Convergence of whole-round overlapped outer steps: blocking vs delayed vs eager (arXiv 2502.12996).
+
+Every run trains the same model on the embedded corpus for the same steps and tokens; the
+only difference is `--diloco.outer-overlap`. For each method and seed we report the final
+eval loss of the global model; the script computes mean +- sd over seeds and the paired
+gap of each method to blocking DiLoCo (same seed, same data): mean +- sd of
+`loss_method / loss_blocking - 1`.
+
+Modes (one CLI convention with the other benchmarks):
+
+- default: 4 layers, width 64, seq 64, 8 sequences per replica (512 tokens per replica
+  step), R = 2, H = 20, 500 steps, seeds 0 1 2; outer SGD lr 0.7, Nesterov 0.9 (the
+  papers' outer optimizer; `--outer-lr/--outer-momentum` to change it).
+- `--quick`: microscopic, for tests (numbers are meaningless).
+
+Writes `eager.json` and `eager.md` into `--out` (default `runs/benchmarks/eager`; committed
+results live in `benchmarks/results` and are only written there when asked for).
+Pinned: 4 simulated CPU devices (2 replicas + 2 communication devices) in every mode.
+
+Run `python -m benchmarks.eager --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # `python benchmarks/eager.py`
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common  # noqa: E402
+
+NUM_DEVICES = 4
+METHODS = ("none", "delayed", "eager")
+
+
+def make_config(method: str, seed: int, run_dir: pathlib.Path, args):
+    from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
+    from models import TransformerConfig
+
+    quick = args.quick
+    model = TransformerConfig(num_layers=2 if quick else 4, dim=32 if quick else 64, num_heads=2 if quick else 4,
+                              mlp_ratio=2 if quick else 4)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=16 if quick else 64, lr=3e-3,
+                        warmup_steps=2 if quick else 20, seed=seed, log_every=10, eval_every=args.steps // 5,
+                        eval_sequences=8 if quick else 64)
+    diloco = DiLoCoConfig(num_replicas=2, sync_period=args.sync_period, num_fragments=args.fragments,
+                          outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, outer_overlap=method,
+                          quantize=args.quantize, error_feedback=args.quantize != "none")
+    return Config(run_dir=run_dir, model=model, diloco=diloco, train=train,
+                  data=DataConfig(source="corpus", max_corpus_bytes=200_000 if quick else 8_000_000),
+                  checkpoint=CheckpointConfig(every=0), compile_cache=False)
+
+
+def mean_sd(values):
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "n": len(values), "values": values}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--quick", action="store_true", help="microscopic run for tests")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=None, help="inner steps (default 500; quick 24)")
+    parser.add_argument("--sync-period", type=int, default=None, help="H (default 20; quick 6)")
+    parser.add_argument("--fragments", type=int, default=1, help="P (1 = plain DiLoCo)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per replica step (default 8; quick 4)")
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--quantize", default="none", help="wire format (error feedback on when lossy)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/benchmarks/eager"))
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (24 if args.quick else 500)
+    args.sync_period = args.sync_period or (6 if args.quick else 20)
+    args.batch_size = args.batch_size or (4 if args.quick else 8)
+    common.setup_jax(NUM_DEVICES)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = args.out / "runs"
+    losses: dict[str, dict[int, float]] = {m: {} for m in METHODS}
+    total, done, start = len(METHODS) * len(args.seeds), 0, time.perf_counter()
+    for seed in args.seeds:
+        for method in METHODS:
+            result = common.train_and_summarize(make_config(method, seed, runs / f"{method}_s{seed}", args))
+            losses[method][seed] = result["eval_loss"]
+            done += 1
+            elapsed = time.perf_counter() - start
+            print(f"[{done}/{total}] {method:<8} seed {seed}  eval {result['eval_loss']:.4f}  "
+                  f"{result['elapsed_s']:.0f}s  ETA {elapsed / done * (total - done):.0f}s", flush=True)
+    rows = []
+    for method in METHODS:
+        gaps = [losses[method][s] / losses["none"][s] - 1 for s in args.seeds]
+        rows.append({"method": method, "eval_loss": mean_sd([losses[method][s] for s in args.seeds]),
+                     "gap_to_blocking": mean_sd(gaps)})
+    result = {
+        "benchmark": "eager", "mode": "quick" if args.quick else "default", "num_devices": NUM_DEVICES,
+        "seeds": args.seeds, "steps": args.steps, "sync_period": args.sync_period, "fragments": args.fragments,
+        "batch_size": args.batch_size, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+        "quantize": args.quantize, "rows": rows, "machine": common.machine_info(),
+    }
+    table = ["| outer overlap | eval loss (mean +- sd) | gap to blocking (paired, mean +- sd) | n |", "|---|---|---|---|"]
+    for row in rows:
+        e, g = row["eval_loss"], row["gap_to_blocking"]
+        table.append(f"| {row['method']} | {e['mean']:.4f} +- {e['sd']:.4f} | "
+                     f"{100 * g['mean']:+.2f}% +- {100 * g['sd']:.2f}% | {e['n']} |")
+    header = (f"R = 2, H = {args.sync_period}, P = {args.fragments}, {args.steps} steps, "
+              f"{args.batch_size} x {64 if not args.quick else 16} tokens per replica step, outer SGD lr "
+              f"{args.outer_lr} momentum {args.outer_momentum} (Nesterov), quantize {args.quantize}, "
+              f"{NUM_DEVICES} simulated CPU devices")
+    common.write_json(args.out / "eager.json", result)
+    common.write_text(args.out / "eager.md", header + "\n\n" + "\n".join(table) + "\n")
+    print(header)
+    print("\n".join(table))
+    print(f"wrote {args.out / 'eager.json'} and {args.out / 'eager.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""`python -m benchmarks.eager --quick` runs and computes its statistics from the per-seed numbers."""
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_eager_benchmark_quick(tmp_path):
+    root = Path(__file__).parents[1]
+    cmd = [sys.executable, "-m", "benchmarks.eager", "--quick", "--seeds", "0", "1", "--steps", "12",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "eager.json").read_text())
+    assert result["num_devices"] == 4 and result["seeds"] == [0, 1]
+    rows = {row["method"]: row for row in result["rows"]}
+    assert set(rows) == {"none", "delayed", "eager"}
+    for row in rows.values():
+        values = row["eval_loss"]["values"]
+        assert row["eval_loss"]["mean"] == pytest.approx(statistics.fmean(values))
+        assert row["eval_loss"]["sd"] == pytest.approx(statistics.stdev(values))
+    blocking = rows["none"]["eval_loss"]["values"]
+    gaps = [e / b - 1 for e, b in zip(rows["eager"]["eval_loss"]["values"], blocking)]
+    assert rows["eager"]["gap_to_blocking"]["mean"] == pytest.approx(statistics.fmean(gaps))
+    assert "| eager |" in (tmp_path / "eager.md").read_text()
