@@ -22,6 +22,7 @@ checkpoint that fails to load, or whose arrays do not match the checksums writte
 them, is reported, moved aside as `<step>.corrupt`, and the previous one is used.
 """
 
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -41,6 +42,15 @@ FORMAT = 1  # bump when the layout of `meta` or of the state keys changes
 
 class CheckpointError(ConfigError):
     """Checkpoints exist but none of them can be restored (reported like a config error)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """An asynchronous save failed (unwritable or full disk, folder removed). Its message is one line.
+
+    Orbax reports the failure of a background save at the next `save` or `wait`; `Checkpointer`
+    turns it into this error. Orbax's background threads of a failed save may never finish,
+    so a command-line program should leave with `os._exit` after this error (`train.py` does).
+    """
 
 
 # -- checksums ---------------------------------------------------------------------------
@@ -121,6 +131,7 @@ class Checkpointer:
     def __post_init__(self):
         self.directory = Path(self.directory).absolute()
         self._manager = None
+        self._unconfirmed: int | None = None  # the step of a save not known to have finished
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -175,14 +186,17 @@ class Checkpointer:
             "layout": _layout(leaves),
             "checksums": checksums(leaves),
         }
-        saved = self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave({str(i): x for i, x in enumerate(leaves)}),
-                config=ocp.args.JsonSave(to_jsonable(metadata if metadata is not None else {})),
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
+        self.wait()  # a failure of the previous save is reported as such, before this one starts
+        with self._save_errors(step):
+            saved = self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({str(i): x for i, x in enumerate(leaves)}),
+                    config=ocp.args.JsonSave(to_jsonable(metadata if metadata is not None else {})),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
+        self._unconfirmed = int(step) if saved else None
         if not saved:
             _warn(f"checkpoint {step} was not written: {self.directory} already holds step "
                   f"{self.manager.latest_step()}")
@@ -343,18 +357,18 @@ class Checkpointer:
     def _report(self, step: int, reason: str) -> None:
         _warn(f"checkpoint {step} in {self.directory} is corrupt or incomplete ({reason}); trying an older one")
 
-    def _move_aside(self, steps: list[int]) -> None:
+    def _move_aside(self, steps: list[int], suffix: str = "corrupt") -> None:
         self.close()
         if jax.process_index() == 0:
             for s in steps:
                 source = self.directory / str(s)
-                target = self.directory / f"{s}.corrupt"
+                target = self.directory / f"{s}.{suffix}"
                 n = 1
                 while target.exists():
-                    target, n = self.directory / f"{s}.corrupt-{n}", n + 1
+                    target, n = self.directory / f"{s}.{suffix}-{n}", n + 1
                 if source.exists():
                     source.rename(target)
-                    _warn(f"moved corrupt checkpoint {s} to {target}")
+                    _warn(f"moved {suffix} checkpoint {s} to {target}")
         if jax.process_count() > 1:
             from orbax.checkpoint import multihost
 
@@ -362,12 +376,46 @@ class Checkpointer:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _save_errors(self, step: int):
+        """Turns any exception of orbax's save machinery into a one-line `CheckpointSaveError`."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - OSError, or whatever orbax wraps it in
+            self._unconfirmed = None
+            raise CheckpointSaveError(
+                f"saving checkpoint {step} in {self.directory} failed ({_first_line(e)}); "
+                f"the checkpoints saved before it are intact"
+            ) from None
+
     def wait(self) -> None:
-        """Block until pending asynchronous saves are complete."""
-        if self._manager is not None:
+        """Block until pending asynchronous saves are complete. Raises `CheckpointSaveError` if one failed."""
+        if self._manager is not None and self._unconfirmed is not None:
+            with self._save_errors(self._unconfirmed):
+                self._manager.wait_until_finished()
+            self._unconfirmed = None
+        elif self._manager is not None:
             self._manager.wait_until_finished()
+
+    def poll(self) -> None:
+        """Raise `CheckpointSaveError` at once if the last asynchronous save has finished and failed.
+
+        Cheap (no waiting): the trainer calls it at every step boundary, so a failed save stops the
+        run within a step of the failure instead of at the next save.
+        """
+        if self._manager is not None and self._unconfirmed is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    def supersede(self, step: int) -> list[int]:
+        """Move checkpoints newer than `step` aside to `<s>.superseded` (for `--checkpoint.restore-step`):
+        the run continues from `step` and writes those steps again. Returns the steps moved."""
+        newer = [s for s in self.steps() if s > step]
+        if newer and not self.read_only:
+            self._move_aside(newer, suffix="superseded")
+        return newer
 
     def close(self) -> None:
         if self._manager is not None:
+            self.wait()
             self._manager.close()
             self._manager = None

@@ -29,8 +29,8 @@ class DiLoCoConfig:
     """use Nesterov momentum in the outer optimizer."""
     num_fragments: int = 1
     """P, total number of Streaming DiLoCo fragments (1 = plain DiLoCo). Fragment 0 holds everything outside the layer stack; fragments 1..P-1 hold layers."""
-    fragment_pattern: Literal["strided", "sequential"] = "strided"
-    """`strided` (fragment f holds layers f-1, f-1+(P-1), ...) or `sequential` (contiguous blocks of layers)."""
+    fragment_pattern: Literal["strided", "sequential", "balanced"] = "strided"
+    """`strided` (fragment f holds layers f-1, f-1+(P-1), ...), `sequential` (contiguous blocks of layers) or `balanced` (strided layers, and the parameters outside the layer stack (embeddings, head, final norm) spread over all fragments, largest first onto the smallest, so fragment 0 no longer sets the peak bandwidth)."""
     overlap_steps: int = 0
     """tau, inner steps a fragment's sync overlaps before it is merged."""
     alpha: float = 0.0

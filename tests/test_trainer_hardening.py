@@ -1,0 +1,226 @@
+"""The trainer's host loop under faults: NaN under both policies, SIGTERM, a failing checkpoint
+save, an explicit --checkpoint.restore-step; and what it says: compilation phase, end summary,
+TensorBoard events, the final sync that lets every inner step reach the global model."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from eqx_diloco import Trainer
+from eqx_diloco._diloco import DiLoCo
+from eqx_diloco.train import main
+from models import Transformer
+from util import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
+        "--train.batch-size", "4", "--data.source", "synthetic", "--train.log-every", "1",
+        "--diloco.sync-period", "2", "--train.eval-every", "0"]
+
+
+def _steps_on_disk(directory: Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit()) if directory.exists() else []
+
+
+def _strict_json_lines(path: Path) -> list[dict]:
+    """metrics.jsonl parsed as strict JSON (a bare NaN or Infinity fails)."""
+    def refuse(name):
+        raise ValueError(f"bare {name} in {path}")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+# -- what the run says: compilation, summary, TensorBoard ----------------------------------
+
+def test_compile_phase_summary_and_tensorboard(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main([*TINY, "--run-dir", str(run), "--train.steps", "4", "--train.eval-every", "2",
+                 "--checkpoint.every", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("compiling the step programs...") < out.index("compiled the step programs in")
+    assert out.index("compiled the step programs in") < out.index("step      1")
+    assert "done: 4 steps" in out and "final eval loss" in out and "DDP would have sent" in out
+    assert str(run / "metrics.jsonl") in out and "python -m eqx_diloco.plot" in out
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("eval_loss")] == [0, 2, 4]  # eval records too
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r}
+    assert [e.value for e in acc.Scalars("eval_loss")] == pytest.approx([evals[0], evals[2], evals[4]])
+
+
+# -- the final sync: every inner step reaches the global model ------------------------------
+
+def test_run_shorter_than_h_exports_a_trained_global_model(make_config):
+    config = make_config(train={"steps": 3}, diloco={"sync_period": 4})
+    trainer = Trainer(config, verbose=False)
+    summary = trainer.run()
+    assert summary["final_sync_groups"] == [0]  # no scheduled sync in 3 steps with H = 4
+    model_key, _ = jax.random.split(jax.random.key(config.train.seed))
+    initial = eqx.filter(Transformer(config.model, key=model_key), eqx.is_inexact_array)
+    final = trainer.state.global_params
+    differ = [not np.array_equal(np.asarray(a), np.asarray(b))
+              for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(final))]
+    assert len(differ) > 0 and all(differ)
+    # The sync's bytes are counted; an aligned run (steps a multiple of H) needs no final sync.
+    assert summary["sent_bytes"] == trainer.group_bytes[0]
+    aligned = Trainer(dataclasses.replace(config, run_dir=config.run_dir.parent / "aligned",
+                                          train=dataclasses.replace(config.train, steps=4)), verbose=False)
+    assert aligned.run()["final_sync_groups"] == []
+
+
+# -- non-finite ---------------------------------------------------------------------------
+
+def _poison(monkeypatch, at_step: int, what: str):
+    """Make DiLoCo's outer step at `at_step` leave NaN in `what` ("global_params" or "params")."""
+    original = DiLoCo.outer_steps
+
+    def outer_steps(self, state, t):
+        state, finite, synced, applied = original(self, state, t)
+        if t == at_step:
+            nan = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+                               getattr(state, what))
+            state = dataclasses.replace(state, **{what: nan})
+        return state, finite, synced, applied
+
+    monkeypatch.setattr(DiLoCo, "outer_steps", outer_steps)
+
+
+def test_skip_stops_when_the_global_model_goes_non_finite(tmp_path, capsys, monkeypatch):
+    _poison(monkeypatch, at_step=4, what="global_params")
+    run = tmp_path / "run"
+    code = main([*TINY, "--run-dir", str(run), "--train.steps", "12", "--checkpoint.every", "0",
+                 "--train.on-nonfinite", "skip"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and "the global model is non-finite after the outer step at step 4" in err, err
+    assert max(r["step"] for r in _strict_json_lines(run / "metrics.jsonl")) <= 5  # stopped at once
+
+
+def test_skip_stops_when_every_replica_is_skipped_and_metrics_stay_json(tmp_path, capsys, monkeypatch):
+    _poison(monkeypatch, at_step=2, what="params")  # every replica NaN from step 3 on
+    run = tmp_path / "run"
+    code = main([*TINY, "--run-dir", str(run), "--train.steps", "12", "--checkpoint.every", "0",
+                 "--train.on-nonfinite", "skip", "--diloco.sync-period", "4"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and "non-finite loss in every replica at step 3" in err, err
+    records = _strict_json_lines(run / "metrics.jsonl")
+    last = records[-1]
+    assert last["step"] == 3 and last["loss"] is None and last["replica_losses"] == [None, None]
+    assert last["skipped_replicas"] == [0, 1]
+
+
+def test_stop_never_checkpoints_a_diverged_state_and_restore_step_goes_back(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    args = [*TINY, "--run-dir", str(run), "--train.steps", "8", "--checkpoint.every", "2", "--checkpoint.keep", "5"]
+    with monkeypatch.context() as patch:
+        _poison(patch, at_step=4, what="global_params")  # a checkpoint is due at that very step
+        assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "the global model is non-finite after the outer step at step 4" in err, err
+    assert _steps_on_disk(run / "checkpoints") == [2]  # never the NaN state of step 4
+
+    # An explicit step that does not exist: one line, exit 2.
+    assert main([*args, "--checkpoint.restore-step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint of step 3" in err, err
+
+    # Finish the run, then go back to step 2 explicitly: newer checkpoints are moved aside.
+    assert main(args) == 0
+    assert _steps_on_disk(run / "checkpoints") == [2, 4, 6, 8]
+    capsys.readouterr()
+    assert main([*args, "--checkpoint.restore-step", "2", "--train.steps", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from checkpoint at step 2" in out and "[4, 6, 8] moved aside" in out, out
+    assert _steps_on_disk(run / "checkpoints") == [2, 4, 6]
+    assert (run / "checkpoints" / "8.superseded").is_dir()
+    assert max(r["step"] for r in read_metrics(run)) == 6
+
+
+# -- subprocess faults: SIGTERM, a checkpoint folder that goes away ------------------------
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _start(run: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "eqx_diloco.train", *TINY, "--run-dir", str(run), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            start_new_session=True)
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"exited early with {proc.returncode}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def _metrics_started(run: Path):
+    return lambda: (run / "metrics.jsonl").exists() and '"loss"' in (run / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_at_the_next_step_and_exits_143(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, ["--train.steps", "400", "--checkpoint.every", "1000"])
+    try:
+        _wait_for(_metrics_started(run), proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stopped by SIGTERM at step "), err
+    stop = int(lines[0].split("at step ")[1].split(";")[0])
+    assert 1 <= stop < 400
+    assert _steps_on_disk(run / "checkpoints") == [stop]  # saved at the stop step (every 1000: no other)
+    assert max(r["step"] for r in read_metrics(run)) == stop
+    resumed = subprocess.run([sys.executable, "-m", "eqx_diloco.train", *TINY, "--run-dir", str(run),
+                              "--train.steps", str(stop + 2), "--checkpoint.every", "1000"],
+                             capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from checkpoint at step {stop}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_failing_checkpoint_save_exits_promptly_with_one_line(tmp_path):
+    """The checkpoint folder is replaced by a regular file after the first save, so the next
+    save cannot create its folder (what a folder turned read-only or removed does; chmod would
+    not stop root, which runs these tests in CI containers). Orbax reports the failure at the
+    next wait; the process must exit 1 with one line, not hang on orbax's threads."""
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    proc = _start(run, ["--train.steps", "400", "--checkpoint.every", "3"])
+    try:
+        _wait_for(lambda: _steps_on_disk(checkpoints) == [3], proc)
+        shutil.move(checkpoints, tmp_path / "moved")
+        checkpoints.write_text("not a folder")
+        _, err = proc.communicate(timeout=120)  # bounded: a hang fails here
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err[-2000:]
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: saving checkpoint 6 in ") and "failed" in lines[0], err
