@@ -9,6 +9,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 12)
 # Every implicit dtype promotion is a bug in this code base: make it an error in tests.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Likewise implicit rank promotion (broadcasting (n,) against (m, n) without saying so), as in Equinox's tests.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 # Many tests build trainers of the same tiny shapes, and subprocess tests start the same
 # programs again: one persistent compilation cache for the session (and its subprocesses)
 # compiles each program once. A cache hit is the same executable, so results are unchanged.

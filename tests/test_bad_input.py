@@ -146,7 +146,7 @@ def test_lock_of_a_killed_trainer_does_not_block_the_next(tmp_path):
         with RunDirLock(tmp_path / "run"):
             pass
     holder.kill()
-    holder.wait(timeout=10)
+    holder.communicate(timeout=10)  # reaps it and closes the pipe
     with RunDirLock(tmp_path / "run"):
         pass
 
