@@ -224,3 +224,34 @@ def test_failing_checkpoint_save_exits_promptly_with_one_line(tmp_path):
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: saving checkpoint 6 in ") and "failed" in lines[0], err
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    """Only process 1 of 2 gets SIGTERM (JAX's preemption notifier would otherwise take it):
+    the stop request travels with the per-step metrics exchange, so both processes stop at one
+    step and the checkpoint of that step is complete."""
+    from test_multiprocess import _children
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--", *TINY, "--run-dir", str(run),
+           "--train.steps", "100000", "--checkpoint.every", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            start_new_session=True)
+    try:
+        _wait_for(_metrics_started(run), proc)
+        os.kill(_children(proc.pid)[1], signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    logs = Path(err.split("logs are in ")[1].split()[0])
+    lines = [(logs / f"process_{i}.log").read_text().splitlines()[-1] for i in range(2)]
+    shutil.rmtree(logs)
+    assert lines[0] == lines[1] and lines[0].startswith("stopped by SIGTERM at step "), lines  # one step for both
+    stop = int(lines[0].split("at step ")[1].split(";")[0])
+    assert _steps_on_disk(run / "checkpoints") == [stop]
+    # The launcher reports the clean stop of process 0 as a failure (exit 1) when it did not get the
+    # signal itself; when it does (the usual case) it exits 128 + signal.
+    assert proc.returncode != 0
