@@ -70,7 +70,9 @@ class DiLoCo:
       `theta_g - mean(theta_r)` as if it were a gradient (default SGD 0.7, Nesterov 0.9).
     - `num_fragments`: P (Streaming DiLoCo when > 1). Fragment 0 holds everything outside
       the layer stack; fragments 1..P-1 hold layers; P - 1 must divide the stack depth.
-    - `fragment_pattern`: `strided` or `sequential` dealing of layers to fragments.
+    - `fragment_pattern`: `strided` or `sequential` dealing of layers to fragments, or
+      `balanced` (strided layers; embeddings, head and other leaves outside the stack spread
+      over the fragments, largest first onto the smallest, to cut the peak sync size).
     - `overlap_steps`: tau, inner steps a sync overlaps before its merge (< H / P).
     - `alpha`: merge weight of the replica's own values (0 replaces them).
     - `quantize`: wire format of outer gradients: none, bf16, fp8, int8, int4, e3m0.
@@ -114,7 +116,7 @@ class DiLoCo:
         inner_optimizer: optax.GradientTransformation,
         outer_optimizer: optax.GradientTransformation | None = None,
         num_fragments: int = 1,
-        fragment_pattern: Literal["strided", "sequential"] = "strided",
+        fragment_pattern: Literal["strided", "sequential", "balanced"] = "strided",
         overlap_steps: int = 0,
         alpha: float = 0.0,
         quantize: str = "none",
@@ -143,8 +145,8 @@ class DiLoCo:
         _require(quantize in _quantize.FORMATS, f"quantize must be one of {', '.join(_quantize.FORMATS)} (got {quantize!r})")
         _require(exchange in ("auto", "gather", "two_phase"),
                  f"exchange must be auto, gather or two_phase (got {exchange!r})")
-        _require(fragment_pattern in ("strided", "sequential"),
-                 f"fragment_pattern must be strided or sequential (got {fragment_pattern!r})")
+        _require(fragment_pattern in ("strided", "sequential", "balanced"),
+                 f"fragment_pattern must be strided, sequential or balanced (got {fragment_pattern!r})")
         if algorithm == "diloco":
             _require(sync_period % num_fragments == 0,
                      f"sync_period must be divisible by num_fragments (got H={sync_period}, P={num_fragments})")

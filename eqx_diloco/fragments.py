@@ -4,6 +4,12 @@ Fragment 0 holds every leaf outside the model's layer stack (embeddings, final n
 head). Fragments 1..P-1 hold groups of layers sliced out of the stacked arrays along the
 layer axis. With P = 1 there is a single fragment holding every leaf.
 
+With a real vocabulary fragment 0 is the largest fragment (32k x d, twice when untied) and
+sets the peak bandwidth streaming exists to cut. The `balanced` pattern deals layers like
+`strided` and then places each leaf outside the stack, largest first, on the fragment that
+is smallest so far (fragment 0 starts empty), so embeddings and head land on different
+fragments and the largest fragment is as small as this greedy rule makes it.
+
 A fragment's values are a flat list of arrays, in tree-flatten order. That is all an
 optax optimizer, a psum or a quantizer needs, and it keeps the slicing in one place.
 The layer stack is named by the user with a `layers` selector in the `eqx.tree_at`
@@ -23,14 +29,17 @@ import numpy as np
 PyTree = Any
 
 
-def layer_groups(num_layers: int, num_fragments: int, pattern: Literal["strided", "sequential"]) -> list[np.ndarray]:
+Pattern = Literal["strided", "sequential", "balanced"]
+
+
+def layer_groups(num_layers: int, num_fragments: int, pattern: Pattern) -> list[np.ndarray]:
     """Layer indices of fragments 1..P-1 (a list of P-1 arrays)."""
     groups = num_fragments - 1
     if groups == 0:
         return []
     if num_layers % groups:
         raise ValueError(f"num_layers={num_layers} is not divisible by num_fragments - 1 = {groups}")
-    if pattern == "strided":
+    if pattern in ("strided", "balanced"):
         return [np.arange(g, num_layers, groups) for g in range(groups)]
     size = num_layers // groups
     return [np.arange(g * size, (g + 1) * size) for g in range(groups)]
@@ -70,6 +79,24 @@ def stack_flags(tree: PyTree, layers: Callable[[PyTree], Any] | None) -> tuple[t
     return flags, depths.pop()
 
 
+def _balanced_owners(params, in_stack, excluded, num_layers: int, num_fragments: int) -> tuple[int, ...]:
+    """Per leaf, its fragment under the `balanced` pattern (stack leaves: 0, unused)."""
+    leaves = jax.tree.leaves(params)
+    excluded = excluded or (False,) * len(leaves)
+    nbytes = [int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves]
+    load = [0] * num_fragments
+    per_layer = sum(n for n, s, e in zip(nbytes, in_stack, excluded) if s and not e) // max(num_layers, 1)
+    for f in range(1, num_fragments):
+        load[f] = per_layer * (num_layers // (num_fragments - 1))
+    owners = [0] * len(leaves)
+    outside = [i for i, (s, e) in enumerate(zip(in_stack, excluded)) if not s and not e]
+    for i in sorted(outside, key=lambda i: (-nbytes[i], i)):  # largest first; ties in tree order
+        f = min(range(num_fragments), key=lambda f: (load[f], f))
+        owners[i] = f
+        load[f] += nbytes[i]
+    return tuple(owners)
+
+
 def _take(x, index: np.ndarray, axis: int):
     if isinstance(x, jax.ShapeDtypeStruct):
         shape = x.shape[:axis] + (len(index),) + x.shape[axis + 1 :]
@@ -93,18 +120,22 @@ class Fragmenter:
 
     - `num_layers`: depth of the model's layer stack.
     - `num_fragments`: P, the total number of fragments.
-    - `pattern`: `strided` (fragment f holds layers f-1, f-1+(P-1), ...) or `sequential`.
+    - `pattern`: `strided` (fragment f holds layers f-1, f-1+(P-1), ...), `sequential`, or
+      `balanced` (strided layers; leaves outside the stack spread over all fragments, see
+      the module docstring and `owners`).
     - `excluded`: optional per-leaf flags (flatten order of the params tree); flagged
       leaves belong to no fragment (MoE router leaves that sync on their own schedule).
     - `in_stack`: per-leaf flags, True for leaves of the layer stack (see `stack_flags`
       and `Fragmenter.for_model`). Needed when `num_fragments > 1`.
+    - `owners`: per leaf, the fragment a leaf outside the stack belongs to (None: fragment 0).
     """
 
     num_layers: int
     num_fragments: int
-    pattern: Literal["strided", "sequential"] = "strided"
+    pattern: Pattern = "strided"
     excluded: tuple[bool, ...] | None = None
     in_stack: tuple[bool, ...] | None = None
+    owners: tuple[int, ...] | None = None
 
     @classmethod
     def for_model(
@@ -112,7 +143,7 @@ class Fragmenter:
         params: PyTree,
         layers: Callable[[PyTree], Any] | None,
         num_fragments: int,
-        pattern: Literal["strided", "sequential"] = "strided",
+        pattern: Pattern = "strided",
         excluded: tuple[bool, ...] | None = None,
     ) -> "Fragmenter":
         """The fragmenter of a model whose layer stack `layers` selects (see `stack_flags`)."""
@@ -123,7 +154,10 @@ class Fragmenter:
             raise ValueError(
                 f"num_fragments - 1 = {num_fragments - 1} must divide the {num_layers} stacked layers that layers= selects"
             )
-        return cls(num_layers, num_fragments, pattern, excluded, in_stack)
+        owners = None
+        if pattern == "balanced" and num_fragments > 1:
+            owners = _balanced_owners(params, in_stack, excluded, num_layers, num_fragments)
+        return cls(num_layers, num_fragments, pattern, excluded, in_stack, owners)
 
     def __post_init__(self):
         if self.num_fragments < 1:
@@ -157,10 +191,12 @@ class Fragmenter:
             raise ValueError(f"fragment must be in [0, {self.num_fragments}), got {fragment}")
         if self.num_fragments == 1:
             return [(i, None) for i, _ in self._members(tree)]
+        owner = (lambda i: 0) if self.owners is None else (lambda i: self.owners[i])  # noqa: E731
+        outside = [(i, None) for i, s in self._members(tree) if not s and owner(i) == fragment]
         layers = self.layers(fragment)
         if layers is None:
-            return [(i, None) for i, s in self._members(tree) if not s]
-        return [(i, layers) for i, s in self._members(tree) if s]
+            return outside
+        return outside + [(i, layers) for i, s in self._members(tree) if s]
 
     def get(self, tree: PyTree, fragment: int, *, layer_axis: int = 0) -> list:
         """The values of `fragment` in `tree` as a flat list of arrays.

@@ -60,7 +60,7 @@ def make_groups(
     *,
     layers: Callable[[PyTree], Any] | None,
     num_fragments: int,
-    fragment_pattern: Literal["strided", "sequential"] = "strided",
+    fragment_pattern: Literal["strided", "sequential", "balanced"] = "strided",
     separate: tuple[bool, ...] | None = None,
 ) -> tuple[ParamGroup, ...]:
     """The groups of a DiLoCo run: P fragments, then the `separate` leaves' own group, if any.

@@ -111,3 +111,30 @@ def test_fragmenter_rejects_bad_shapes():
         Fragmenter(5, 3)
     with pytest.raises(ValueError, match="fragment must be in"):
         Fragmenter.for_model(_model(4), lambda m: m.blocks, 3).get(_model(4), 3)
+
+
+@pytest.mark.parametrize("L,P", [(4, 3), (6, 4), (4, 5), (2, 2)])
+def test_balanced_fragments_partition_every_parameter_exactly_once(L, P):
+    model = _model(L)
+    frag = Fragmenter.for_model(model, lambda m: m.blocks, P, "balanced")
+    counts = jax.tree.map(jnp.zeros_like, model)
+    for p in range(P):
+        counts = frag.put(counts, p, [v + 1 for v in frag.get(counts, p)])
+    assert all(np.all(c == 1) for c in jax.tree.leaves(counts))
+    assert sum(frag.nbytes(model, p) for p in range(P)) == sum(x.nbytes for x in jax.tree.leaves(model))
+
+
+def test_balanced_fragments_cut_the_peak_on_a_real_vocabulary():
+    """32k vocabulary, untied: embeddings and head no longer share fragment 0 (same total bytes)."""
+    config = TransformerConfig(num_layers=6, dim=128, num_heads=4, vocab_size=32_000)
+    abstract = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    sizes = {}
+    for pattern in ("strided", "balanced"):
+        frag = Fragmenter.for_model(abstract, lambda m: m.blocks, 4, pattern)
+        sizes[pattern] = [frag.nbytes(abstract, p) for p in range(4)]
+    assert sum(sizes["strided"]) == sum(sizes["balanced"])
+    assert max(sizes["strided"]) >= 1.5 * max(sizes["balanced"])
+    balanced = Fragmenter.for_model(abstract, lambda m: m.blocks, 4, "balanced")
+    holders = [p for p in range(4) if any(v.shape == abstract.embed.shape for v in balanced.get(abstract, p))]
+    head_holders = [p for p in range(4) if any(v.shape == abstract.head.shape for v in balanced.get(abstract, p))]
+    assert len(holders) == 1 and len(head_holders) == 1 and holders != head_holders
