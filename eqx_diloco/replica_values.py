@@ -28,6 +28,16 @@ def _local_rows(x: jax.Array) -> dict[int, np.ndarray]:
     return rows
 
 
+def _kv_client():
+    """The distributed runtime's key-value client, or None if this JAX does not expose it where we look."""
+    try:
+        from jax._src import distributed  # the runtime's client; no public accessor exists
+
+        return distributed.global_state.client
+    except (ImportError, AttributeError):
+        return None
+
+
 class ReplicaGather:
     """Gathers dicts of arrays with a leading replica axis into host numpy arrays.
 
@@ -46,9 +56,11 @@ class ReplicaGather:
     def __call__(self, arrays: dict[str, jax.Array]) -> dict[str, np.ndarray]:
         if jax.process_count() == 1:
             return {k: np.asarray(v) for k, v in arrays.items()}
-        from jax._src import distributed  # the runtime's client; no public accessor exists
+        client = _kv_client()
+        if client is None:  # a JAX without the private client: a device collective (may wait on syncs)
+            from jax.experimental import multihost_utils
 
-        client = distributed.global_state.client
+            return {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in arrays.items()}
         key = f"eqx_diloco/replica_values/{self.calls}"
         self.calls += 1
         rows = {name: _local_rows(x) for name, x in arrays.items()}
