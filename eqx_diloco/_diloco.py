@@ -27,7 +27,7 @@ from ._errors import ConfigError
 from .checkpoint import Checkpointer
 from .groups import make_groups
 from .mesh import build_meshes, ensure_cpu_devices
-from ._eager import OverlappedOuter
+from ._eager import InFlightExchange, OverlappedOuter
 from .outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes, sync_wire_nbytes
 from .state import TrainState, build_state, state_shardings
 from .step import LossFn, make_inner_step
@@ -195,7 +195,8 @@ class DiLoCo:
                  f"mesh has {mesh.shape['diloco']} rows on 'diloco', num_replicas is {num_replicas}")
         self.mesh, self.comm_mesh = mesh, comm_mesh
         self._bound = None  # (treedef, shapes) of the model this object was set up for
-        self._in_flight: dict[int, InFlightSync] = {}  # launched syncs by group, not installed yet
+        # Launched syncs (tau > 0) or exchanges (outer_overlap) by group, not installed yet.
+        self._in_flight: dict[int, InFlightSync | InFlightExchange] = {}
         self._last_state, self._next_step = None, 0
 
     # -- set-up for one model shape -----------------------------------------------------------
@@ -401,7 +402,7 @@ class DiLoCo:
         evaluation or a checkpoint must see. Returns (state, finite flags of those syncs).
         """
         finished = []
-        install = self.outer.install if self.overlapped is None else self.overlapped.install
+        install = self.overlapped.install if self.overlapped is not None else self.outer.install if self.outer else None
         for group in sorted(self._in_flight):
             state, finite = install(state, self._in_flight.pop(group))
             finished.append(finite)

@@ -6,6 +6,8 @@ sees exactly the batches an uninterrupted run would have seen, with no data posi
 save beyond the step. The last `eval_fraction` of the tokens is held out for evaluation.
 """
 
+import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -36,9 +38,28 @@ def corpus_bytes(max_bytes: int) -> bytes:
 
 
 def _text_bytes(path: Path) -> bytes:
+    """The bytes of a regular file, or of every regular file under a folder (sorted by path).
+
+    Devices, FIFOs and sockets are refused (`/dev/zero` never ends, a FIFO blocks), and each
+    file is read up to the size it had when listed, so a growing file cannot make the read unbounded.
+    """
+    if not (path.is_file() or path.is_dir()):
+        raise ConfigError(f"--data.path must be a regular file or a folder (not a device, FIFO or socket): {path}")
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     try:
-        return b"".join(p.read_bytes() for p in files)
+        sizes = [p.stat().st_size for p in files]
+        # The bytes plus their uint16 copy must fit in memory.
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if 3 * sum(sizes) > available:
+            raise ConfigError(
+                f"--data.path holds {sum(sizes) / 2**30:.1f} GiB of text, too much for this machine's "
+                f"{available / 2**30:.1f} GiB of memory: use a token file (--data.source tokens)"
+            )
+        chunks = []
+        for p, size in zip(files, sizes):
+            with p.open("rb") as f:
+                chunks.append(f.read(size))
+        return b"".join(chunks)
     except OSError as e:
         raise ConfigError(f"--data.path is not readable: {e.filename}: {e.strerror}") from None
 
@@ -56,8 +77,80 @@ def synthetic_tokens(num_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
     return tokens
 
 
+TOKENS_FORMAT = "eqx_diloco.tokens/1"
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def token_meta_path(path: Path | str) -> Path:
+    """The metadata JSON beside a token file: `<file>.json`."""
+    return Path(f"{path}.json")
+
+
+def read_token_meta(path: Path) -> dict:
+    """The metadata of token file `path` ({"dtype": "uint16" | "uint32", "vocab_size": int, ...}).
+
+    A file without `<file>.json` is read as uint16 with an unknown vocabulary (then every id is
+    checked against `--model.vocab-size`).
+    """
+    meta_path = token_meta_path(path)
+    if not meta_path.is_file():
+        return {"dtype": "uint16", "vocab_size": None}
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--data.path's metadata {meta_path} is not readable JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("dtype") not in TOKEN_DTYPES:
+        raise ConfigError(f"--data.path's metadata {meta_path} must give \"dtype\": \"uint16\" or \"uint32\"")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+        raise ConfigError(f"--data.path's metadata {meta_path} has an invalid vocab_size: {vocab!r}")
+    return meta
+
+
+def open_tokens(path: Path, vocab_size: int) -> np.ndarray:
+    """Token file `path` as a read-only `np.memmap` (never read into memory as a whole).
+
+    Its dtype and vocabulary size come from `<path>.json` (written by `python -m
+    eqx_diloco.prepare`); without it the file is uint16 ids and every id is checked against
+    `vocab_size` in a streaming pass.
+    """
+    meta = read_token_meta(path)
+    dtype = np.dtype(TOKEN_DTYPES[meta["dtype"]])
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ConfigError(f"--data.path is not readable: {path}: {e.strerror}") from None
+    if size == 0:
+        raise ConfigError(f"--data.path holds no tokens: {path}")
+    if size % dtype.itemsize:
+        raise ConfigError(
+            f"--data.path is {size} bytes, not a whole number of {meta['dtype']} token ids "
+            f"({dtype.itemsize} bytes each): {path} is truncated or not a {meta['dtype']} token file"
+        )
+    file_vocab = meta.get("vocab_size")
+    if file_vocab is not None and file_vocab > vocab_size:
+        raise ConfigError(
+            f"--model.vocab-size is {vocab_size} but {token_meta_path(path).name} gives vocab_size {file_vocab}: "
+            f"pass --model.vocab-size {file_vocab}"
+        )
+    try:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    except OSError as e:
+        raise ConfigError(f"--data.path is not readable: {path}: {e.strerror}") from None
+    if file_vocab is None:
+        # No metadata: check every id, streaming through the map chunk by chunk (no copy of the file).
+        chunk = 1 << 24
+        largest = max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+        if largest >= vocab_size:
+            raise ConfigError(
+                f"--model.vocab-size must exceed every token id in --data.path (found id {largest})"
+            )
+    return tokens
+
+
 def load_tokens(config: DataConfig, vocab_size: int, seed: int) -> np.ndarray:
-    """All tokens of the configured source as a flat uint16 array."""
+    """All tokens of the configured source as a flat array: uint16 in memory for `corpus`, `text` and
+    `synthetic`; for `tokens`, a read-only memory map of the file (see `open_tokens`)."""
     if config.source == "corpus":
         tokens = np.frombuffer(corpus_bytes(config.max_corpus_bytes), np.uint8).astype(np.uint16)
     elif config.source == "text":
@@ -68,13 +161,8 @@ def load_tokens(config: DataConfig, vocab_size: int, seed: int) -> np.ndarray:
             raise ConfigError(f"--data.path holds no text: {config.path}")
     elif config.source == "tokens":
         if config.path is None or not config.path.is_file():
-            raise ConfigError(f"--data.path must be a file of uint16 token ids: {config.path}")
-        try:
-            tokens = np.fromfile(config.path, np.uint16)
-        except OSError as e:
-            raise ConfigError(f"--data.path is not readable: {config.path}: {e.strerror}") from None
-        if tokens.size == 0:
-            raise ConfigError(f"--data.path holds no tokens: {config.path}")
+            raise ConfigError(f"--data.path must be a file of uint16 or uint32 token ids: {config.path}")
+        return open_tokens(config.path, vocab_size)
     elif config.source == "synthetic":
         tokens = synthetic_tokens(200_000, vocab_size, seed)
     else:

@@ -7,26 +7,59 @@ Examples:
     python -m eqx_diloco.train --algorithm ddp                   # data-parallel baseline
 """
 
+import contextlib
+import logging
+import os
 import sys
 
 import tyro
 
+from ._cache import enable_compilation_cache
+from ._preflight import RunDirLock, check_memory, check_writable
 from .config import Config, ConfigError, validate
-from .mesh import setup_devices
+from .mesh import devices_needed, process_layout, setup_devices
+
+
+# Set when a checkpoint save failed: orbax's threads of that save may never finish, so the
+# command-line entry point leaves with os._exit (after flushing) instead of waiting for them.
+_hard_exit = False
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = tyro.cli(Config, args=argv)
+    global _hard_exit
+    config = tyro.cli(Config, args=argv, prog="python -m eqx_diloco.train")
     try:
+        # Every check that can fail on the flags alone runs before JAX starts or compiles.
         validate(config)
-        setup_devices(config)
-        from .trainer import NonFiniteError, train  # imported after the device count is set
+        _, num_processes, process_id = process_layout(config)
+        devices_needed(config)  # the process count must split the replicas
+        check_memory(config, num_processes=num_processes)
+        check_writable(config)
+        # One trainer per run folder; in a multi-process run, process 0 holds the lock for all.
+        with RunDirLock(config.run_dir) if process_id == 0 else contextlib.nullcontext():
+            setup_devices(config)
+            enable_compilation_cache(config)  # before the first compile
+            if process_id == 0:
+                from ._banner import describe_setup
 
-        try:
-            train(config)
-        except NonFiniteError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+                print(describe_setup(config), flush=True)
+            from .trainer import CheckpointSaveError, NonFiniteError, TrainingStopped, train  # after the device count is set
+
+            # A failed asynchronous save makes orbax log each of its threads' tracebacks (hundreds of
+            # lines); the one line below says what happened.
+            logging.getLogger("absl").setLevel(logging.CRITICAL)
+            try:
+                train(config)
+            except NonFiniteError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            except CheckpointSaveError as e:
+                print(f"error: {e}", file=sys.stderr)
+                _hard_exit = True
+                return 1
+            except TrainingStopped as e:
+                print(e, file=sys.stderr, flush=True)
+                return 128 + e.signum
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -37,4 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if _hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -4,7 +4,10 @@ Step t+1 is dispatched before step t's metrics are read (so the host never idles
 devices while it formats a log line); only evaluations and the end block.
 """
 
+import contextlib
 import dataclasses
+import signal
+import threading
 import time
 from typing import Any
 
@@ -18,9 +21,12 @@ from models import Transformer
 from models.moe import usage_entropy
 from models.transformer import lm_loss
 
+from . import schedule
+from ._banner import finished_message, format_summary
 from ._diloco import DiLoCo
 from ._errors import NonFiniteError
-from .checkpoint import Checkpointer
+from ._tensorboard import TensorBoardLog
+from .checkpoint import Checkpointer, CheckpointSaveError
 from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
 from .diagnostics import router_drift
@@ -43,6 +49,27 @@ def global_model(state: TrainState) -> Transformer:
 def eval_loss(model: Transformer, tokens) -> jax.Array:
     """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses)."""
     return lm_loss(model, tokens)[1]["ce"]
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every float leaf of `tree` is finite (one boolean scalar, computed where the arrays live)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class TrainingStopped(Exception):
+    """SIGTERM or SIGHUP stopped training at a step boundary (after a checkpoint of that step).
+
+    `signum` is the signal, `step` the last step trained; the message is one line.
+    """
+
+    def __init__(self, message: str, *, signum: int, step: int):
+        super().__init__(message)
+        self.signum, self.step = signum, step
 
 
 def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -160,9 +187,45 @@ class Trainer:
         if not self.diloco:
             return state
         state, finished = self.core.settle(state)
+        t = int(replicated_value(state.step))
         for finite in finished:
-            self._check_finite(int(replicated_value(state.step)), "outer gradient", self.gather({"f": finite})["f"])
+            self._check_sync(t, self.gather({"f": finite})["f"])
+        if finished:
+            self._check_global(t, all_finite(state.global_params))
         return state
+
+    def final_sync(self, state: TrainState, t: int) -> tuple[TrainState, list[int]]:
+        """After the last step `t`: a blocking outer sync of every group whose last sync is older than `t`.
+
+        Without it, the inner steps after a group's last scheduled sync (a run shorter than H, or
+        `--train.steps` not a multiple of H, and with P > 1 every fragment but the one that synced
+        at `t`) would never reach the global model that is evaluated and exported. The replicas
+        are not merged (training is over). Returns (state, the groups synced).
+        """
+        if not self.diloco or self.core.overlapped is not None:
+            # delayed / eager: the global model is the one of the last outer step (the last
+            # round's exchange has nowhere to land without a further round); documented.
+            return state, []
+        state = self.install_pending(state)
+        d = self.config.diloco
+        stale = []
+        for g in range(len(self.groups)):
+            if g == self.router_group:
+                last = t - t % d.router_sync_period
+            else:
+                last = max(schedule.sync_steps(g, d.sync_period, self.num_fragments, t), default=0)
+            if last < t:
+                stale.append(g)
+        flags = []
+        for g in stale:
+            state, finite = self.outer.sync(state, g)
+            flags.append(finite)
+        if stale:
+            state, _ = self.core.settle(state)  # nothing in flight: just hands the core this state
+            for finite in flags:
+                self._check_sync(t, self.gather({"f": finite})["f"])
+            self._check_global(t, all_finite(state.global_params))
+        return state, stale
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -172,9 +235,13 @@ class Trainer:
 
     def initial_state(self) -> tuple[TrainState, int]:
         """The newest compatible checkpoint's state, or a fresh one from `--train.seed`."""
-        state = self.core.restore(self.checkpointer, self.abstract_model, check=self.resume_check)
+        restore_step = self.config.checkpoint.restore_step
+        state = self.core.restore(self.checkpointer, self.abstract_model, check=self.resume_check, step=restore_step)
         if state is not None:
-            return state, int(replicated_value(state.step))
+            step = int(replicated_value(state.step))
+            if restore_step is not None:
+                self.superseded = self.checkpointer.supersede(step)
+            return state, step
         model_key, replica_key = jax.random.split(jax.random.key(self.config.train.seed))
         return self.core.init(Transformer(self.config.model, key=model_key), key=replica_key), 0
 
@@ -187,23 +254,112 @@ class Trainer:
             )
         return bad
 
+    def _all_skipped(self, t: int, what: str) -> NonFiniteError:
+        return NonFiniteError(
+            f"non-finite {what} in every replica at step {t}: --train.on-nonfinite skip has nothing left to "
+            f"train on (lower --train.lr or --diloco.outer-lr, or resume an earlier checkpoint with "
+            f"--checkpoint.restore-step)"
+        )
+
+    def _check_sync(self, t: int, values: np.ndarray) -> list[int]:
+        """Finite flags of a finished sync: `stop` raises on any, `skip` when all replicas are out."""
+        bad = self._check_finite(t, "outer gradient", values)
+        if bad and len(bad) == len(values):
+            raise self._all_skipped(t, "outer gradient")
+        return bad
+
+    def _check_global(self, t: int, flag: jax.Array | None) -> None:
+        """Stop (under either policy) if the global model is non-finite after an outer step."""
+        if flag is not None and not bool(replicated_value(flag)):
+            raise NonFiniteError(
+                f"the global model is non-finite after the outer step at step {t} (--train.on-nonfinite "
+                f"{self.config.train.on_nonfinite}); lower --diloco.outer-lr or --train.lr, or resume an earlier "
+                f"checkpoint with --checkpoint.restore-step"
+            )
+
+    @contextlib.contextmanager
+    def _stop_signals(self):
+        """Record SIGTERM / SIGHUP for the loop, which stops at the next step boundary (all
+        processes agree on it through the per-step metrics exchange). A second signal ends the
+        process at once (the default action). Installed after `jax.distributed.initialize`, so it
+        replaces JAX's preemption notifier, which would otherwise swallow SIGTERM."""
+        self._signal_seen = 0  # this process's signal, 0 if none
+        self._stop_signal = 0  # the signal every process agreed to stop on, 0 if none
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            self._signal_seen = signum
+            for s in STOP_SIGNALS:
+                signal.signal(s, signal.SIG_DFL)
+
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+    def _stop_rows(self) -> Any:
+        """(R,) rows of this process's signal number, for the per-step gather (every process
+        publishes its own replicas' rows; the maximum is what all agree on)."""
+        R = self.config.diloco.num_replicas
+        if jax.process_count() == 1:
+            return np.full((R,), self._signal_seen, np.int32)
+        cache = self.__dict__.setdefault("_stop_arrays", {})
+        if self._signal_seen not in cache:
+            rows = np.full((R,), self._signal_seen, np.int32)
+            cache[self._signal_seen] = jax.make_array_from_callback(
+                (R,), NamedSharding(self.mesh, PartitionSpec("diloco")), lambda index: rows[index])
+        return cache[self._signal_seen]
+
     def run(self) -> dict[str, Any]:
-        """Train to `--train.steps`. Returns a summary (final eval loss, bytes, steps/s)."""
+        """Train to `--train.steps`. Returns a summary (final eval loss, bytes, steps/s).
+
+        Raises `NonFiniteError` on divergence (see `--train.on-nonfinite`), `TrainingStopped` after
+        SIGTERM/SIGHUP (a checkpoint of the stop step is saved first), and `CheckpointSaveError`
+        when an asynchronous save fails.
+        """
         config, t_cfg = self.config, self.config.train
         self._start_time = time.perf_counter()
+        self.superseded: list[int] = []
         state, start = self.initial_state()
         show = self.verbose and self.is_main
         if start >= t_cfg.steps:
             if show:
-                print(f"run in {config.run_dir} already finished at step {start}; nothing to do")
+                print(finished_message(config, start), flush=True)
             return {"finished": True, "step": start}
         config.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             write_config(config.run_dir, config)
         log = MetricsLog(config.run_dir, resume_step=start, enabled=self.is_main)
         display = ProgressDisplay(t_cfg.steps, start, enabled=show)
+        tb = None
+        try:
+            tb = TensorBoardLog(config.run_dir, resume_step=start, enabled=self.is_main)
+            self._logs = (log, tb)
+            with self._stop_signals():
+                summary = self._loop(state, start, display, show)
+        finally:
+            try:
+                self.checkpointer.wait()
+            finally:
+                display.close()
+                log.close()
+                if tb is not None:
+                    tb.close()
+        if show:
+            print(format_summary(summary, config), flush=True)
+        return summary
+
+    def _loop(self, state: TrainState, start: int, display: ProgressDisplay, show: bool) -> dict[str, Any]:
+        config, t_cfg = self.config, self.config.train
+        T = t_cfg.steps
         if start and show:
             display.log(f"resumed from checkpoint at step {start}")
+        if self.superseded and show:
+            display.log(f"--checkpoint.restore-step {start}: newer checkpoints {sorted(self.superseded)} moved aside")
 
         sent = sum(self.sent_bytes_at(s) for s in range(1, start + 1))
         peak = max([self.sent_bytes_at(s) for s in range(1, start + 1)], default=0)
@@ -211,71 +367,129 @@ class Trainer:
         tokens_per_step = config.diloco.num_replicas * t_cfg.batch_size * t_cfg.seq_len
         pending = None  # step t's device-side metrics, read after step t+1 is dispatched
         eval_loss_value = None
+        # Compilation is a phase of its own: say so, and how long it took once the first step ran.
+        compile_start = time.perf_counter()
+        if show:
+            display.log("compiling the step programs..." + (" (cached programs load fast)" if start else ""))
+            display.update(start, "compiling...")
         if start == 0 and t_cfg.eval_every:  # the starting point, so the curve shows the fall
-            eval_loss_value = self._evaluate(state, 0, log, display if show else None)
+            eval_loss_value = self._evaluate(state, 0, display if show else None)
+        self._compile_note = None
         last_time, last_step = time.perf_counter(), start
-        try:
-            for step in range(start, t_cfg.steps):
-                t = step + 1
-                tokens = place(self.batches.batch(step), self.batch_sharding)
-                # How far routers drifted before a sync (MoE only).
-                drift_fn = self.router_drift if self.moe and self.diloco else None
-                state, metrics = self.core.step(state, tokens, before_sync=drift_fn)
-                finite, drift = metrics.pop("sync_finite", None), metrics.pop("before_sync", None)
-                synced, applied = metrics.pop("synced_fragment"), metrics.pop("applied_fragment")
-                sent += self.sent_bytes_at(t)
-                peak = max(peak, self.sent_bytes_at(t))
-                wire += self.core.wire_bytes_at(t)
-                if pending is not None:
-                    last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
-                pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
-                               wire=wire, peak=peak, router_drift=drift)
-                eval_due = t == t_cfg.steps or (t_cfg.eval_every and t % t_cfg.eval_every == 0)
-                save_due = self.checkpointer.due(t) or t == t_cfg.steps
-                if eval_due or save_due:
-                    state = self.install_pending(state)
-                    # Read step t's finiteness first: a diverged state must never be checkpointed.
-                    last_time, last_step = self._emit(pending, log, display, tokens_per_step, last_time, last_step)
-                    pending = None
-                if eval_due:
-                    eval_loss_value = self._evaluate(state, t, log, display if show else None)
-                    last_time = time.perf_counter()  # do not charge the evaluation to training throughput
-                if save_due:
-                    state = self.core.save(self.checkpointer, state, metadata=config)
+        final_synced: list[int] = []
+        for step in range(start, T):
+            t = step + 1
+            self.checkpointer.poll()  # a failed asynchronous save stops the run here, not at the next save
+            tokens = place(self.batches.batch(step), self.batch_sharding)
+            # How far routers drifted before a sync (MoE only).
+            drift_fn = self.router_drift if self.moe and self.diloco else None
+            state, metrics = self.core.step(state, tokens, before_sync=drift_fn)
+            if step == start:  # the step programs (and those of the syncs due now) compiled in that call
+                self._compile_note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
+            finite, drift = metrics.pop("sync_finite", None), metrics.pop("before_sync", None)
+            synced, applied = metrics.pop("synced_fragment"), metrics.pop("applied_fragment")
+            # After an outer step, whether theta_g is still finite (read with the step's metrics, one step late).
+            global_finite = all_finite(state.global_params) if self.diloco and finite is not None else None
+            sent += self.sent_bytes_at(t)
+            peak = max(peak, self.sent_bytes_at(t))
+            wire += self.core.wire_bytes_at(t)
             if pending is not None:
-                self._emit(pending, log, display, tokens_per_step, last_time, last_step)
-            self.state = state
-        finally:
-            self.checkpointer.wait()
-            display.close()
-            log.close()
+                last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
+            pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
+                           wire=wire, peak=peak, router_drift=drift, global_finite=global_finite)
+            final = t == T
+            stop = bool(self._stop_signal) and not final
+            eval_due = final or bool(t_cfg.eval_every and t % t_cfg.eval_every == 0)
+            save_due = self.checkpointer.due(t) or final or stop
+            if eval_due or save_due:
+                state = self.install_pending(state)
+                # Read step t's finiteness first: a diverged state must never be checkpointed.
+                last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
+                pending = None
+                if self._stop_signal and not final and not stop:  # agreed on in that very exchange
+                    stop = save_due = True
+            if final:
+                state, final_synced = self.final_sync(state, t)
+                for g in final_synced:
+                    sent += self.group_bytes[g]
+                    wire += self.core.group_wire_bytes[g]
+                if final_synced and show:
+                    display.log(f"final sync of parameter group(s) {final_synced}: their inner steps since "
+                                f"the last scheduled sync now reach the global model")
+            if eval_due:
+                eval_loss_value = self._evaluate(state, t, display if show else None)
+                last_time = time.perf_counter()  # do not charge the evaluation to training throughput
+            if save_due:
+                state = self.core.save(self.checkpointer, state, metadata=config)
+            if stop:
+                self.state = state
+                self.checkpointer.wait()
+                name = signal.Signals(self._stop_signal).name
+                where = (f"checkpoint saved in {self.checkpointer.directory}; run the same command to resume"
+                         if self.checkpointer.every > 0 else "checkpointing is off (--checkpoint.every 0): nothing saved")
+                raise TrainingStopped(f"stopped by {name} at step {t}; {where}", signum=self._stop_signal, step=t)
+        if pending is not None:
+            self._emit(pending, display, tokens_per_step, last_time, last_step)
+        self.state = state
         return {
             "finished": True,
-            "step": t_cfg.steps,
+            "step": T,
             "eval_loss": eval_loss_value,
             "sent_bytes": sent,
             "wire_bytes": wire,
             "peak_sync_bytes": peak,
+            "tokens": T * tokens_per_step,
+            "ddp_bytes": T * self.ddp_step_bytes,
+            "wall_time_s": time.perf_counter() - self._start_time,
+            "run_dir": str(config.run_dir),
+            "checkpoint_dir": str(self.checkpointer.directory),
+            "final_sync_groups": final_synced,
         }
 
-    def _evaluate(self, state: TrainState, t: int, log: MetricsLog, display: ProgressDisplay | None) -> float:
+    def _write(self, record: dict[str, Any]) -> None:
+        """One record into metrics.jsonl (non-finite numbers as null) and the TensorBoard events."""
+        for log in self._logs:
+            log.write(record)
+
+    def _evaluate(self, state: TrainState, t: int, display: ProgressDisplay | None) -> float:
         value = float(replicated_value(eval_loss(self.core.global_params(state), self.eval_tokens)))
-        log.write({"step": t, "eval_loss": value})
+        self._write({"step": t, "eval_loss": value})
         if display is not None:
             display.log(f"step {t:>6}  eval_loss {value:.4f}")
+        if not np.isfinite(value):
+            raise NonFiniteError(
+                f"the global model's eval loss is non-finite at step {t} (--train.on-nonfinite "
+                f"{self.config.train.on_nonfinite}); lower --train.lr or --diloco.outer-lr, or resume an earlier "
+                f"checkpoint with --checkpoint.restore-step"
+            )
         return value
 
-    def _emit(self, pending, log, display, tokens_per_step, last_time, last_step):
+    def _emit(self, pending, display, tokens_per_step, last_time, last_step):
         """Read step t's metrics (already computed), check them, log them. Returns the new timer."""
         t = pending["step"]
         arrays = dict(pending["metrics"])
         if pending["finite"] is not None:
             arrays["sync_finite"] = pending["finite"]
+        arrays["stop_signal"] = self._stop_rows()  # every process's SIGTERM/SIGHUP, so all stop at one step
         m = self.gather(arrays)
+        self._stop_signal = self._stop_signal or int(np.max(m.pop("stop_signal")))
         skipped = self._check_finite(t, "loss", m["finite"])
         skipped_sync = self._check_finite(t, "outer gradient", m["sync_finite"]) if "sync_finite" in m else []
+        fatal = None
+        if skipped and len(skipped) == len(m["finite"]):
+            fatal = self._all_skipped(t, "loss")
+        elif skipped_sync and len(skipped_sync) == len(m["sync_finite"]):
+            fatal = self._all_skipped(t, "outer gradient")
+        if fatal is None:
+            try:
+                self._check_global(t, pending["global_finite"])
+            except NonFiniteError as e:
+                fatal = e
         event = pending["synced"] is not None or pending["applied"] is not None or pending["router_drift"] is not None
-        if t % self.config.train.log_every and t != self.config.train.steps and not event:
+        if self._compile_note is not None:
+            display.log(self._compile_note)
+            self._compile_note = None
+        if t % self.config.train.log_every and t != self.config.train.steps and not event and fatal is None:
             return last_time, last_step
         now = time.perf_counter()
         tokens_per_s = (t - last_step) * tokens_per_step / max(now - last_time, 1e-9)
@@ -302,7 +516,9 @@ class Trainer:
             record.update(self._moe_metrics(m))
         if pending["router_drift"] is not None:
             record["router_drift"] = float(replicated_value(pending["router_drift"]))
-        log.write(record)
+        self._write(record)
+        if fatal is not None:
+            raise fatal
         status = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s"
         display.update(t, status)
         if not display.interactive and t % self.config.train.log_every == 0:
@@ -320,4 +536,4 @@ def train(config: Config, *, verbose: bool = True) -> dict[str, Any]:
     return Trainer(config, verbose=verbose).run()
 
 
-__all__ = ["ConfigError", "NonFiniteError", "Trainer", "global_model", "lm_objective", "make_diloco", "train"]
+__all__ = ["CheckpointSaveError", "ConfigError", "NonFiniteError", "Trainer", "TrainingStopped", "global_model", "lm_objective", "make_diloco", "train"]

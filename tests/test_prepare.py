@@ -1,0 +1,199 @@
+"""Real tokenized data: `python -m eqx_diloco.prepare` with a BPE tokenizer trained here (nothing is
+downloaded), memory-mapped uint16/uint32 token files with metadata, and training on them."""
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from eqx_diloco import prepare
+from eqx_diloco.config import ConfigError, DataConfig
+from eqx_diloco.data import TokenBatches, corpus_bytes, load_tokens
+from eqx_diloco.train import main as train_main
+from util import read_metrics
+
+VOCAB = 400
+TEXT = corpus_bytes(12_000).decode("utf-8", errors="replace") + "\nnon-ASCII: naïve café 東京 ✓\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    """A byte-level BPE tokenizer trained on a few KB of the stdlib's source, saved as tokenizer.json."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    assert tok.get_vocab_size() == VOCAB
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def test_prepare_writes_uint16_ids_and_metadata(tmp_path, tokenizer_path, text_file, capsys):
+    out = tmp_path / "data" / "tokens.bin"
+    assert prepare.main([str(text_file), str(out), "--tokenizer", str(tokenizer_path), "--chunk-mb", "100"]) == 0
+    captured = capsys.readouterr()
+    assert "tokenized" in captured.err and "100%" in captured.err  # progress
+    assert f"--data.path {out} --model.vocab-size {VOCAB}" in captured.out
+    meta = json.loads((tmp_path / "data" / "tokens.bin.json").read_text())
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    expected = tok.encode(TEXT, add_special_tokens=False).ids
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == VOCAB and meta["num_tokens"] == len(expected)
+    assert out.stat().st_size == 2 * len(expected)
+    assert np.fromfile(out, "<u2").tolist() == expected  # one chunk: exactly the tokenizer's encoding
+    assert not list(out.parent.glob("*.partial"))
+
+
+def test_small_chunks_lose_nothing(tmp_path, tokenizer_path, text_file):
+    out = tmp_path / "tokens.bin"
+    meta = prepare.prepare(text_file, out, tokenizer_path, chunk_bytes=300)
+    ids = np.fromfile(out, "<u2")
+    assert len(ids) == meta["num_tokens"] > 1000
+    assert Tokenizer.from_file(str(tokenizer_path)).decode(ids.tolist()) == TEXT  # byte-exact round trip
+
+
+def test_chunks_cut_at_lines_and_never_inside_a_character(tmp_path):
+    path = tmp_path / "t.txt"
+    text = "ab cd\n" * 7 + "é" * 40 + "東京" * 30 + "\nend"
+    path.write_text(text, encoding="utf-8")
+    for size in (1, 3, 7, 16):
+        pieces = list(prepare.chunks(path, size))
+        assert "".join(t for t, _ in pieces) == text
+        assert sum(n for _, n in pieces) == len(text.encode())
+        assert all("\ufffd" not in t for t, _ in pieces)  # no character was cut in two
+        words = [t for t, _ in pieces if set(t) <= set("ab cd\n")]
+        assert len(words) >= 2 and all(t.endswith(("\n", " ")) for t in words)  # cut after a line or word
+
+
+def test_folder_and_eos(tmp_path, tokenizer_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("def a():\n    return 1\n")
+    (folder / "b.txt").write_text("def b():\n    return 2\n")
+    out = tmp_path / "tokens.bin"
+    meta = prepare.prepare(folder, out, tokenizer_path, eos="<|endoftext|>")
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = np.fromfile(out, "<u2").tolist()
+    assert ids.count(eos) == 2 and ids[-1] == eos and meta["num_tokens"] == len(ids)
+    first = ids[: ids.index(eos)]
+    assert tok.decode(first) == "def a():\n    return 1\n"
+
+
+def test_large_vocabulary_writes_uint32(tmp_path, tokenizer_path):
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    tok.add_tokens([f"<x{i}>" for i in range(66_000)])
+    big = tmp_path / "big_tokenizer.json"
+    tok.save(str(big))
+    text = tmp_path / "t.txt"
+    text.write_text("def f(): <x65999> <x0>\n")
+    out = tmp_path / "tokens.bin"
+    meta = prepare.prepare(text, out, big)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == VOCAB + 66_000
+    ids = np.fromfile(out, "<u4")
+    assert tok.token_to_id("<x65999>") in ids.tolist() and int(ids.max()) > 65_535
+    tokens = load_tokens(DataConfig(source="tokens", path=out), meta["vocab_size"], 0)
+    assert tokens.dtype == np.uint32 and tokens.tolist() == ids.tolist()
+    with pytest.raises(ConfigError, match="--model.vocab-size is 256 but tokens.bin.json gives vocab_size 66400"):
+        load_tokens(DataConfig(source="tokens", path=out), 256, 0)
+
+
+def test_token_file_is_memory_mapped_and_batches_read_from_it(tmp_path):
+    out = tmp_path / "ids.bin"
+    ids = (np.arange(50_000) * 7919 % 70_000).astype("<u4")
+    ids.tofile(out)
+    (tmp_path / "ids.bin.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 70_000}))
+    tokens = load_tokens(DataConfig(source="tokens", path=out), 70_000, 0)
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint32 and len(tokens) == 50_000
+    batches = TokenBatches(tokens, num_replicas=2, batch_size=3, seq_len=8, eval_fraction=0.1, seed=0)
+    assert isinstance(batches.train, np.memmap)
+    b = batches.batch(5)
+    assert b.dtype == np.int32 and b.shape == (2, 3, 9)
+    # Every window is a contiguous run of the file.
+    for window in b.reshape(-1, 9):
+        start = int(np.flatnonzero(ids == window[0])[0])
+        assert window.tolist() == ids[start : start + 9].astype(np.int64).tolist()
+    e = batches.eval_batch(4)
+    assert e.dtype == np.int32 and int(e.max()) < 70_000
+
+
+def test_a_byte_size_not_a_multiple_of_the_dtype_is_an_error(tmp_path):
+    out = tmp_path / "ids.bin"
+    out.write_bytes(b"\x01\x00\x00\x00" * 100 + b"\x01\x00")  # 402 bytes of uint32
+    (tmp_path / "ids.bin.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="402 bytes, not a whole number of uint32 token ids"):
+        load_tokens(DataConfig(source="tokens", path=out), 256, 0)
+    (tmp_path / "ids.bin.json").unlink()  # without metadata: uint16, odd size
+    out.write_bytes(b"\x01\x00" * 100 + b"\x01")
+    with pytest.raises(ConfigError, match="201 bytes, not a whole number of uint16 token ids"):
+        load_tokens(DataConfig(source="tokens", path=out), 256, 0)
+
+
+def test_bad_metadata_is_an_error(tmp_path):
+    out = tmp_path / "ids.bin"
+    out.write_bytes(b"\x01\x00" * 100)
+    (tmp_path / "ids.bin.json").write_text(json.dumps({"dtype": "int8"}))
+    with pytest.raises(ConfigError, match='must give "dtype": "uint16" or "uint32"'):
+        load_tokens(DataConfig(source="tokens", path=out), 256, 0)
+    (tmp_path / "ids.bin.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not readable JSON"):
+        load_tokens(DataConfig(source="tokens", path=out), 256, 0)
+
+
+def test_train_three_steps_on_prepared_tokens(tmp_path, tokenizer_path, text_file, capsys):
+    out = tmp_path / "tokens.bin"
+    assert prepare.main([str(text_file), str(out), "--tokenizer", str(tokenizer_path)]) == 0
+    run = tmp_path / "run"
+    args = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
+            "--train.batch-size", "4", "--checkpoint.every", "0", "--train.steps", "3", "--train.log-every", "1",
+            "--train.eval-sequences", "4", "--diloco.sync-period", "3", "--data.source", "tokens", "--data.path", str(out),
+            "--run-dir", str(run)]
+    capsys.readouterr()
+    assert train_main([*args, "--model.vocab-size", "256"]) == 2  # the tokenizer has 400 ids
+    err = capsys.readouterr().err
+    assert err.startswith("error: --model.vocab-size is 256") and "--model.vocab-size 400" in err
+    assert err.count("\n") == 1
+    assert train_main([*args, "--model.vocab-size", str(VOCAB)]) == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(evals) == 2 and all(np.isfinite(evals)) and evals[-1] < np.log(VOCAB) + 1
+    assert [r["sent_bytes"] for r in records if "loss" in r][-1] > 0  # the replicas synced at step 3
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no_text", "TEXT_PATH does not exist"),
+    ("no_tokenizer", "--tokenizer does not exist"),
+    ("bad_tokenizer", "is not a tokenizers JSON file"),
+    ("bad_eos", "--eos '<nope>' is not a token"),
+    ("empty", "holds no text to tokenize"),
+])
+def test_prepare_errors_are_one_line(tmp_path, tokenizer_path, text_file, capsys, case, message):
+    text, tok, extra = text_file, tokenizer_path, []
+    if case == "no_text":
+        text = tmp_path / "missing.txt"
+    elif case == "no_tokenizer":
+        tok = tmp_path / "missing.json"
+    elif case == "bad_tokenizer":
+        tok = tmp_path / "bad.json"
+        tok.write_text('{"not": "a tokenizer"}')
+    elif case == "bad_eos":
+        extra = ["--eos", "<nope>"]
+    elif case == "empty":
+        text = tmp_path / "empty.txt"
+        text.write_text("")
+    out = tmp_path / "tokens.bin"
+    assert prepare.main([str(text), str(out), "--tokenizer", str(tok), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+    assert not out.exists() and not (tmp_path / "tokens.bin.partial").exists()

@@ -1,0 +1,167 @@
+"""A newcomer's first run: the setup banner, the persistent compilation cache, the end-of-run
+summary text, the help's usage line, export's default output, and benchmarks/startup.py."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import pytest
+
+from eqx_diloco._banner import describe_setup, finished_message, format_summary, model_size
+from eqx_diloco._cache import default_cache_dir, enable_compilation_cache
+from eqx_diloco.config import Config, DiLoCoConfig
+from eqx_diloco.export import main as export_main
+from eqx_diloco.train import main as train_main
+from models import Transformer, TransformerConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import startup  # noqa: E402
+
+TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
+        "--train.batch-size", "4", "--data.source", "synthetic", "--train.eval-sequences", "4",
+        "--diloco.sync-period", "2", "--train.warmup-steps", "1"]
+
+
+def test_model_size_counts_every_parameter():
+    config = Config(model=TransformerConfig(num_layers=3, dim=64, num_heads=4))
+    model = Transformer(config.model, key=jax.random.key(1))
+    arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    assert model_size(config) == (sum(a.size for a in arrays), sum(a.nbytes for a in arrays))
+
+
+def test_describe_setup_names_the_run():
+    config = Config(diloco=DiLoCoConfig(num_fragments=4, overlap_steps=1, quantize="int4"), run_dir=pathlib.Path("r/x"))
+    text = describe_setup(config)
+    count, nbytes = model_size(config)
+    assert text.splitlines()[0] == ("eqx_diloco: Streaming DiLoCo, R=2 replicas, H=20, P=4 fragments, tau=1, "
+                                   "quantize int4")
+    assert f"{count / 1e6:.2f}M parameters" in text and "6 layers, width 128" in text
+    assert "mesh diloco=2 x data=1 (+2 communication devices" in text
+    assert "2 x 8 sequences x 128 tokens = 2,048 tokens/step, 200 steps" in text
+    assert "run dir      r/x" in text and "every 100 steps in r/x/checkpoints" in text
+    assert "eqx_diloco: DDP" in describe_setup(Config(algorithm="ddp"))
+    off = describe_setup(dataclasses.replace(config, compile_cache=False))
+    assert "persistent cache off" in off
+
+
+def test_cli_prints_the_banner_first(tmp_path, capsys):
+    assert train_main([*TINY, "--train.steps", "2", "--checkpoint.every", "0", "--run-dir", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("eqx_diloco: DiLoCo, R=2 replicas, H=2")
+    assert any(line.startswith("  compilation  cached in ") for line in out[:8])
+
+
+def test_help_usage_names_the_module(capsys):
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    out = capsys.readouterr().out
+    assert "python -m eqx_diloco.train" in out.split("\n\n")[0] or "usage: python -m eqx_diloco.train" in out
+    assert "--no-compile-cache" in out and str(REPO) not in out.split("\n\n")[0]
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "eqx_diloco" / "jax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == pathlib.Path.home() / ".cache" / "eqx_diloco" / "jax"
+
+
+def test_cache_off_changes_nothing():
+    before = jax.config.jax_compilation_cache_dir
+    assert enable_compilation_cache(Config(compile_cache=False)) is None
+    assert jax.config.jax_compilation_cache_dir == before
+
+
+def _fresh_python(code: str, env: dict) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**clean, **env}, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cache_is_written_to_the_per_user_folder_and_read_back(tmp_path):
+    code = """
+        import jax, jax.numpy as jnp
+        from eqx_diloco._cache import enable_compilation_cache
+        from eqx_diloco.config import Config
+        hits = []
+        jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event) if "cache_hits" in event else None)
+        print(enable_compilation_cache(Config()))
+        jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((64, 64))).block_until_ready()
+        print(f"hits {len(hits)}")
+    """
+    first = _fresh_python(code, {"XDG_CACHE_HOME": str(tmp_path)})
+    assert first.returncode == 0, first.stderr
+    folder = tmp_path / "eqx_diloco" / "jax"
+    assert first.stdout.splitlines()[0] == str(folder)
+    entries = sorted(p.name for p in folder.iterdir())
+    assert any(name.startswith("jit_") for name in entries), entries
+    assert first.stdout.splitlines()[1] == "hits 0"
+    # A second process loads the programs from the cache instead of compiling them again.
+    second = _fresh_python(code, {"XDG_CACHE_HOME": str(tmp_path)})
+    assert second.returncode == 0, second.stderr
+    assert int(second.stdout.splitlines()[1].split()[1]) >= 1, second.stdout
+    off = _fresh_python(code.replace("Config()", "Config(compile_cache=False)"), {"XDG_CACHE_HOME": str(tmp_path / "off")})
+    assert off.returncode == 0 and off.stdout.splitlines()[0] == "None"
+    assert not (tmp_path / "off").exists()
+
+
+def test_format_summary():
+    config = Config(run_dir=pathlib.Path("runs/a b"))
+    param_bytes = model_size(config)[1]
+    text = format_summary({"step": 200, "eval_loss": 2.2524, "sent_bytes": 10 * param_bytes,
+                           "wall_time_s": 92.04}, config)
+    lines = text.splitlines()
+    assert lines[0] == ("done: 200 steps in 92.0 s, 409,600 tokens; final eval loss 2.2524 "
+                        "(global model, held-out data)")
+    assert "DDP would have sent" in text and "(20x more)" in text
+    assert "runs/a b/metrics.jsonl" in text and "checkpoints  runs/a b/checkpoints" in text
+    assert "python -m eqx_diloco.plot 'runs/a b' --out 'runs/a b/loss.png'" in text
+    assert "python -m eqx_diloco.export 'runs/a b'" in text
+    assert "python -m eqx_diloco.sample 'runs/a b/model.eqx' --prompt \"def \"" in text
+    assert "--train.steps 400" in text
+    # No checkpoints: nothing to export, so no export command.
+    no_ck = format_summary({"step": 5, "sent_bytes": 0, "tokens": 7, "ddp_bytes": 100},
+                           dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, every=0)))
+    assert "eqx_diloco.export" not in no_ck and "checkpoints" not in no_ck and "done: 5 steps, 7 tokens" in no_ck
+    ddp = format_summary({"step": 3, "sent_bytes": 3 * param_bytes}, Config(algorithm="ddp"))
+    assert "DDP would have sent" not in ddp and "a float32 gradient every step" in ddp
+    again = finished_message(config, 200)
+    assert "already finished at step 200" in again and "--train.steps 400" in again and "'runs/a b'" in again
+
+
+def test_export_defaults_into_the_run_folder(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    assert train_main([*TINY, "--train.steps", "2", "--checkpoint.every", "2", "--run-dir", str(run)]) == 0
+    assert export_main([str(run)]) == 0
+    assert (run / "model.eqx").is_file() and (run / "model.eqx.json").is_file()
+    assert not (tmp_path / "model.eqx").exists()
+    assert f"to {run / 'model.eqx'}" in capsys.readouterr().out
+
+
+def test_startup_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "startup.json"
+    out.write_text("{}")
+    assert startup.main(["--quick", "--out", str(out)]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert out.read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_startup_benchmark_quick(tmp_path):
+    out = tmp_path / "startup.json"
+    assert startup.main(["--quick", "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    [run] = result["runs"]
+    assert run["name"] == "tiny" and run["cache_entries"] > 0
+    assert 0 < run["banner_cold_s"] < run["cold_s"] and 0 < run["warm_s"][0]
+    assert run["speedup"] == pytest.approx(run["cold_s"] / run["warm_median_s"], abs=0.01)
+    assert "| cold: s to step 1 |" in (tmp_path / "startup.md").read_text()
