@@ -155,6 +155,10 @@ class Config:
     compile_cache: bool = True
     """keep compiled programs in JAX's persistent compilation cache ($JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/eqx_diloco/jax, else ~/.cache/eqx_diloco/jax), so the next run of the same config starts training sooner; `--no-compile-cache` compiles everything afresh."""
 
+    def __post_init__(self):
+        # Library users write Config(run_dir="runs/x"): keep paths as Paths whatever they pass.
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:

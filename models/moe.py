@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .transformer import TransformerConfig
+from ._config import TransformerConfig
 
 
 def load_balance_loss(

@@ -6,50 +6,17 @@ time does not grow with depth, and code that needs "layers 3 and 7" (fragments o
 Streaming DiLoCo) slices arrays instead of walking a Python list.
 """
 
-import dataclasses
 import math
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._config import TransformerConfig
 from ._norm import RMSNorm
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Shape of the model."""
-
-    vocab_size: int = 256
-    """number of token ids (256 for the byte-level tokenizer)."""
-    num_layers: int = 6
-    """number of blocks in the stack."""
-    dim: int = 128
-    """width of the residual stream."""
-    num_heads: int = 4
-    """attention heads; must divide `dim`."""
-    mlp_ratio: int = 4
-    """hidden width of the feed-forward block as a multiple of `dim`."""
-    tie_embeddings: bool = False
-    """reuse the token embedding as the output head."""
-    dropout: float = 0.0
-    """dropout rate on each block's residual branches (0 disables it)."""
-    rope_base: float = 10000.0
-    """base of the rotary position embedding frequencies."""
-    kind: Literal["dense", "moe"] = "dense"
-    """`dense` feed-forward blocks or `moe` (mixture of experts)."""
-    num_experts: int = 4
-    """experts per MoE block (`kind=moe` only)."""
-    top_k: int = 2
-    """experts each token is routed to (`kind=moe` only; 1 or 2)."""
-    aux_loss_weight: float = 0.01
-    """weight of the MoE load-balancing loss in the training loss."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
+from .moe import MoE
 
 
 def _normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
@@ -123,10 +90,8 @@ class MLP(eqx.Module):
         return jax.nn.gelu(x @ self.up) @ self.down, {}
 
 
-def make_ffn(config: TransformerConfig, *, key: PRNGKeyArray) -> eqx.Module:
+def make_ffn(config: TransformerConfig, *, key: PRNGKeyArray) -> "MLP | MoE":
     if config.kind == "moe":
-        from .moe import MoE  # local import: the dense path never needs it
-
         return MoE(config, key=key)
     return MLP(config, key=key)
 
@@ -137,7 +102,7 @@ class Block(eqx.Module):
     attn_norm: RMSNorm
     attn: Attention
     ffn_norm: RMSNorm
-    ffn: eqx.Module
+    ffn: "MLP | MoE"
     dropout: float = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):

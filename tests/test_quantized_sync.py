@@ -97,3 +97,21 @@ def test_wire_bytes_follow_the_collective(make_config):
     assert lines["two_phase"]["wire_bytes"] <= 0.14 * f32
     assert lines["gather"]["wire_bytes"] > 1.9 * lines["two_phase"]["wire_bytes"]
     assert lines["gather"]["sent_bytes"] <= lines["two_phase"]["sent_bytes"]  # two-phase pads to 4 chunks
+
+
+def test_a_non_finite_replica_leaves_no_nan_residual(make_config):
+    """Error feedback + skip: a replica whose outer gradient is NaN must not store a NaN residual
+    (it would re-poison that replica at every later sync of the group)."""
+    config = make_config(diloco=dict(num_replicas=2, sync_period=2, quantize="int4", error_feedback=True),
+                         train=dict(on_nonfinite="skip"))
+    trainer = Trainer(config, verbose=False)
+    state, _ = trainer.initial_state()
+    for step in range(2):
+        state, _ = trainer.inner_step(state, jax.device_put(trainer.batches.batch(step), trainer.batch_sharding))
+    poison = jax.jit(lambda s: dataclasses.replace(s, params=jax.tree.map(lambda x: x.at[1].set(jnp.nan), s.params)))
+    state, finite = trainer.outer.sync(poison(state), 0)
+    assert np.asarray(finite).tolist() == [True, False]
+    residuals = jax.device_get(state.residuals[0])
+    assert all(np.isfinite(r).all() for r in residuals)
+    assert all(np.all(r[1] == 0) for r in residuals) and any(np.abs(r[0]).max() > 0 for r in residuals)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.global_params)))
