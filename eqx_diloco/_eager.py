@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import quantize
 from ._exchange import exchange_sum, resolve_method
@@ -100,9 +100,9 @@ class OverlappedOuter:
         on = lambda spec: NamedSharding(exchange_mesh, spec)  # noqa: E731
         self._exchange = jax.jit(
             self._exchange_fn(exchange_mesh),
-            out_shardings=(on(P()), on(P("diloco")), on(P("diloco"))),
+            out_shardings=(on(PartitionSpec()), on(PartitionSpec("diloco")), on(PartitionSpec("diloco"))),
         )
-        per_replica = NamedSharding(mesh, P("diloco"))
+        per_replica = NamedSharding(mesh, PartitionSpec("diloco"))
         self._outer = [jax.jit(self._outer_fn(i), donate_argnums=0, out_shardings=(shardings, per_replica))
                        for i in range(len(groups))]
         self._install = [jax.jit(self._install_fn(i), donate_argnums=0, out_shardings=shardings)
@@ -128,7 +128,7 @@ class OverlappedOuter:
             count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
             return [t / count for t in totals], finite[None], [e[None] for e in own_error]
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(P("diloco"),), out_specs=(P(), P("diloco"), P("diloco")))
+        return jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("diloco"),), out_specs=(PartitionSpec(), PartitionSpec("diloco"), PartitionSpec("diloco")))
 
     # -- the outer step at a sync of group i ----------------------------------------------------
 

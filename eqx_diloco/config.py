@@ -167,7 +167,7 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(config: Config) -> None:
     """Raise `ConfigError` with a one-line message for the first rule `config` breaks."""
-    m, d, t, data = config.model, config.diloco, config.train, config.data
+    m, d, train, data = config.model, config.diloco, config.train, config.data
     for flag, value in [
         ("--model.num-layers", m.num_layers),
         ("--model.dim", m.dim),
@@ -177,41 +177,41 @@ def validate(config: Config) -> None:
         ("--diloco.num-replicas", d.num_replicas),
         ("--diloco.sync-period", d.sync_period),
         ("--diloco.num-fragments", d.num_fragments),
-        ("--train.steps", t.steps),
-        ("--train.batch-size", t.batch_size),
-        ("--train.seq-len", t.seq_len),
-        ("--train.log-every", t.log_every),
-        ("--train.eval-sequences", t.eval_sequences),
+        ("--train.steps", train.steps),
+        ("--train.batch-size", train.batch_size),
+        ("--train.seq-len", train.seq_len),
+        ("--train.log-every", train.log_every),
+        ("--train.eval-sequences", train.eval_sequences),
         ("--mesh.data", config.mesh.data),
         ("--data.max-corpus-bytes", data.max_corpus_bytes),
         ("--dist.heartbeat-timeout-s", config.dist.heartbeat_timeout_s),
     ]:
         _require(value >= 1, f"{flag} must be >= 1 (got {value})")
     for flag, value in [
-        ("--train.lr", t.lr),
+        ("--train.lr", train.lr),
         ("--diloco.outer-lr", d.outer_lr),
-        ("--train.weight-decay", t.weight_decay),
-        ("--train.grad-clip", t.grad_clip),
+        ("--train.weight-decay", train.weight_decay),
+        ("--train.grad-clip", train.grad_clip),
         ("--diloco.alpha", d.alpha),
         ("--model.rope-base", m.rope_base),
         ("--model.aux-loss-weight", m.aux_loss_weight),
     ]:
         _require(math.isfinite(value), f"{flag} must be a finite number (got {value})")
     _require(str(config.run_dir) not in ("", "."), "--run-dir must name a folder (got an empty path or '.')")
-    _require(t.seed >= 0, f"--train.seed must be >= 0 (got {t.seed})")
-    _require(0 <= t.b1 < 1, f"--train.b1 must be in [0, 1) (got {t.b1})")
-    _require(0 <= t.b2 < 1, f"--train.b2 must be in [0, 1) (got {t.b2})")
+    _require(train.seed >= 0, f"--train.seed must be >= 0 (got {train.seed})")
+    _require(0 <= train.b1 < 1, f"--train.b1 must be in [0, 1) (got {train.b1})")
+    _require(0 <= train.b2 < 1, f"--train.b2 must be in [0, 1) (got {train.b2})")
     _require(m.rope_base > 0, f"--model.rope-base must be > 0 (got {m.rope_base})")
     for flag, value in [
-        ("--train.lr", t.lr),
+        ("--train.lr", train.lr),
         ("--diloco.outer-lr", d.outer_lr),
     ]:
         _require(value > 0, f"{flag} must be > 0 (got {value})")
     for flag, value in [
-        ("--train.warmup-steps", t.warmup_steps),
-        ("--train.eval-every", t.eval_every),
-        ("--train.weight-decay", t.weight_decay),
-        ("--train.grad-clip", t.grad_clip),
+        ("--train.warmup-steps", train.warmup_steps),
+        ("--train.eval-every", train.eval_every),
+        ("--train.weight-decay", train.weight_decay),
+        ("--train.grad-clip", train.grad_clip),
         ("--diloco.overlap-steps", d.overlap_steps),
         ("--diloco.router-sync-period", d.router_sync_period),
         ("--checkpoint.every", config.checkpoint.every),
@@ -221,7 +221,7 @@ def validate(config: Config) -> None:
     _require(config.checkpoint.restore_step is None or config.checkpoint.restore_step >= 1,
              f"--checkpoint.restore-step must be >= 1 (got {config.checkpoint.restore_step})")
     _require(0 <= d.outer_momentum < 1, f"--diloco.outer-momentum must be in [0, 1) (got {d.outer_momentum})")
-    _require(0 <= t.min_lr_ratio <= 1, f"--train.min-lr-ratio must be in [0, 1] (got {t.min_lr_ratio})")
+    _require(0 <= train.min_lr_ratio <= 1, f"--train.min-lr-ratio must be in [0, 1] (got {train.min_lr_ratio})")
     _require(0 <= m.dropout < 1, f"--model.dropout must be in [0, 1) (got {m.dropout})")
     _require(
         m.dim % m.num_heads == 0,
@@ -236,8 +236,8 @@ def validate(config: Config) -> None:
         _require(m.top_k in (1, 2), f"--model.top-k must be 1 or 2 (got {m.top_k})")
         _require(m.top_k <= m.num_experts, f"--model.top-k must be <= --model.num-experts (got {m.top_k})")
     _require(
-        t.batch_size % config.mesh.data == 0,
-        f"--train.batch-size must be divisible by --mesh.data (got {t.batch_size} and {config.mesh.data})",
+        train.batch_size % config.mesh.data == 0,
+        f"--train.batch-size must be divisible by --mesh.data (got {train.batch_size} and {config.mesh.data})",
     )
     _require(0 < data.eval_fraction < 1, f"--data.eval-fraction must be in (0, 1) (got {data.eval_fraction})")
     _require(data.split in ("contiguous", "iid"), f"--data.split must be contiguous or iid (got {data.split})")
@@ -280,7 +280,7 @@ def validate(config: Config) -> None:
             _require(not set_, f"{flag} applies to --algorithm diloco only, not ddp")
         return
 
-    P, H = d.num_fragments, d.sync_period
+    P, H = d.num_fragments, d.sync_period  # fragment count (no PartitionSpec in this module)
     if P > 1:
         _require(
             m.num_layers % (P - 1) == 0,
@@ -298,7 +298,7 @@ def validate(config: Config) -> None:
         _require(d.overlap_steps == 0, f"--diloco.outer-overlap {o} overlaps a whole round; it does not combine with --diloco.overlap-steps > 0")
         _require(d.alpha == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.alpha > 0")
         _require(d.router_sync_period == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.router-sync-period")
-        _require(o != "eager" or t.on_nonfinite == "stop", "--diloco.outer-overlap eager needs --train.on-nonfinite stop")
+        _require(o != "eager" or train.on_nonfinite == "stop", "--diloco.outer-overlap eager needs --train.on-nonfinite stop")
     _require(
         not d.error_feedback or d.quantize != "none",
         "--diloco.error-feedback needs a lossy --diloco.quantize format (got none)",

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
@@ -98,8 +98,8 @@ def mean_outer_gradient(
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P("diloco"), P(), P("diloco")),
-        out_specs=(P(), P("diloco"), P("diloco")),
+        in_specs=(PartitionSpec("diloco"), PartitionSpec(), PartitionSpec("diloco")),
+        out_specs=(PartitionSpec(), PartitionSpec("diloco"), PartitionSpec("diloco")),
     )
 
 
@@ -112,7 +112,7 @@ def _then_merge(sync, merge):
 
 
 def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
-    """Copy arrays sharded P() or P("diloco") on `src` to the same spec on `dst`.
+    """Copy arrays sharded PartitionSpec() or PartitionSpec("diloco") on `src` to the same spec on `dst`.
 
     Row r of both meshes belongs to replica r and to one process, so every copy is local
     to its process (a global `device_put` across device sets is refused in multi-controller
@@ -186,7 +186,7 @@ class OuterSync:
         comm_core = self._core(mean_outer_gradient(comm_mesh, self.fmt, **flags))
         jit = lambda f: jax.jit(f, donate_argnums=0, out_shardings=(self.shardings, None))  # noqa: E731
         fns = dict(sync=[], merge=[], sync_and_merge=[], extract=[], install=[], launch=[])
-        replica, replicated = P("diloco"), P()
+        replica, replicated = PartitionSpec("diloco"), PartitionSpec()
         for i, group in enumerate(self.groups):
             sync = self._sync_fn(i, group, self._core(exchange))
             merge = self._merge_fn(group)
