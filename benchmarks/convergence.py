@@ -142,7 +142,8 @@ def make_config(spec: RunSpec, scale: Scale, run_dir: pathlib.Path, seed: int):
                               mlp_ratio=scale.mlp_ratio)
     train = TrainConfig(steps=scale.steps, batch_size=spec.batch_size, seq_len=scale.seq_len, lr=scale.lr,
                         warmup_steps=scale.warmup_steps, seed=seed, log_every=1, eval_every=scale.eval_every,
-                        eval_sequences=scale.eval_sequences)
+                        eval_sequences=scale.eval_sequences,
+                        final_sync=False)  # every method is evaluated at its last scheduled sync
     if spec.method == "ddp":
         diloco = DiLoCoConfig(num_replicas=spec.replicas)
     else:

@@ -118,6 +118,7 @@ def time_to_step_one(args: list[str], run_dir: pathlib.Path, cache_home: pathlib
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         reader.join(timeout=5)
+        proc.stdout.close()
     return {"step1_s": round(step1, 3), "banner_s": round(first_line[0], 3) if first_line else None}
 
 

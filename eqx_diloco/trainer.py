@@ -202,7 +202,7 @@ class Trainer:
         at `t`) would never reach the global model that is evaluated and exported. The replicas
         are not merged (training is over). Returns (state, the groups synced).
         """
-        if not self.diloco or self.core.overlapped is not None:
+        if not self.diloco or self.core.overlapped is not None or not self.config.train.final_sync:
             # delayed / eager: the global model is the one of the last outer step (the last
             # round's exchange has nowhere to land without a further round); documented.
             return state, []

@@ -37,7 +37,9 @@ def tiny_config(run_dir: Path, *, algorithm="diloco", model=None, diloco=None, t
         algorithm=algorithm,
         run_dir=run_dir,
         model=dataclasses.replace(base_model, **(model or {})),
-        diloco=dataclasses.replace(DiLoCoConfig(num_replicas=2, sync_period=2), **(diloco or {})),
+        # The papers' outer optimizer (not the CLI default): tests then exercise the outer momentum.
+        diloco=dataclasses.replace(DiLoCoConfig(num_replicas=2, sync_period=2, outer_lr=0.7, outer_momentum=0.9),
+                                   **(diloco or {})),
         train=dataclasses.replace(base_train, **(train or {})),
         data=dataclasses.replace(DataConfig(source="synthetic"), **(data or {})),
         mesh=dataclasses.replace(MeshConfig(), **(mesh or {})),
