@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 
 import tyro
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             except CheckpointSaveError as e:
+                # orbax's threads of the failed save may still raise (closed event loops) while we
+                # leave; their tracebacks would bury the one line that says what happened.
+                threading.excepthook = sys.unraisablehook = lambda args: None
                 print(f"error: {e}", file=sys.stderr)
                 _hard_exit = True
                 return 1
