@@ -20,7 +20,9 @@ STEPS = 8
 
 def _launch(num_processes, run_dir, *flags, **popen):
     cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(num_processes), "--",
-           *TINY, "--run-dir", str(run_dir), "--train.log-every", "1", *flags]
+           *TINY, "--run-dir", str(run_dir), "--train.log-every", "1",
+           # the outer optimizer of tests/conftest.py's configs (not the CLI default)
+           "--diloco.outer-lr", "0.7", "--diloco.outer-momentum", "0.9", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
