@@ -43,22 +43,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import quantize
-from ._exchange import exchange_sum, resolve_method
+from ._exchange import resolve_method
 from ._tree import all_finite
 from .groups import ParamGroup
+from .outer import move_to_mesh, replica_mean, unflatten_like
 from .state import TrainState
 
 PyTree = Any
-
-
-def _split(flat, like):
-    offsets = np.cumsum([int(np.prod(x.shape)) for x in like])[:-1]
-    return [piece.reshape(x.shape) for piece, x in zip(jnp.split(flat, offsets), like)]
 
 
 def _replace(items: tuple, i: int, value) -> tuple:
@@ -116,17 +111,10 @@ class OverlappedOuter:
         def body(sent):
             sent = [x[0] for x in sent]
             finite = all_finite(sent)
-            weight = finite.astype(jnp.float32) if skip else jnp.float32(1.0)
-            if method == "psum":
-                totals = [jax.lax.psum(jnp.where(weight > 0, x, jnp.zeros_like(x)), "diloco") for x in sent]
+            means, own_error = replica_mean(sent, finite, fmt=fmt, method=method, skip_nonfinite=skip)
+            if own_error is None:  # a float32 psum loses nothing
                 own_error = [jnp.zeros_like(x) for x in sent]
-            else:
-                flat = jnp.concatenate([x.ravel() for x in sent])
-                total, error = exchange_sum(flat, weight, fmt, method=method)
-                error = jnp.where(finite, error, jnp.zeros_like(error))  # never store a NaN residual
-                totals, own_error = _split(total, sent), _split(error, sent)
-            count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
-            return [t / count for t in totals], finite[None], [e[None] for e in own_error]
+            return means, finite[None], [e[None] for e in own_error]
 
         return jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("diloco"),), out_specs=(PartitionSpec(), PartitionSpec("diloco"), PartitionSpec("diloco")))
 
@@ -137,7 +125,7 @@ class OverlappedOuter:
         if self.fmt == "none":
             return x
         flat = jnp.concatenate([v.ravel() for v in x])
-        return _split(quantize.decode(quantize.encode(flat, self.fmt), self.fmt, flat.shape), x)
+        return unflatten_like(quantize.decode(quantize.encode(flat, self.fmt), self.fmt, flat.shape), x)
 
     def _outer_fn(self, i: int):
         group, opt, R, eager = self.groups[i], self.outer_opt, self.num_replicas, self.mode == "eager"
@@ -187,8 +175,6 @@ class OverlappedOuter:
         """Outer step of `group` with the arrived mean; then launch this round's exchange."""
         state, sent = self._outer[group](state)
         if self.comm_mesh is not None:
-            from .outer import move_to_mesh
-
             sent = move_to_mesh(sent, self.mesh, self.comm_mesh)
         return state, InFlightExchange(group, self._exchange(sent))
 
@@ -196,7 +182,5 @@ class OverlappedOuter:
         """Put an arrived exchange into the state's mailbox (waits for it). Returns (state, finite)."""
         mean, finite, own_error = in_flight.outputs
         if self.comm_mesh is not None:
-            from .outer import move_to_mesh
-
             mean, finite, own_error = move_to_mesh((mean, finite, own_error), self.comm_mesh, self.mesh)
         return self._install[in_flight.group](state, mean, own_error), finite

@@ -50,11 +50,36 @@ def sync_wire_nbytes(shapes: list[tuple[int, ...]], fmt: str, num_replicas: int,
     return wire_nbytes(n, fmt, num_replicas, exchange)
 
 
-def _split(flat: Array, like: list[Array]) -> list[Array]:
-    """Cut a flat vector back into pieces with the sizes of `like` (flattened)."""
-    offsets = np.cumsum([x.size for x in like])[:-1]
-    return jnp.split(flat, offsets)
+def unflatten_like(flat: Array, like: list[Array]) -> list[Array]:
+    """Cut a flat vector back into arrays with the sizes and shapes of `like`."""
+    offsets = np.cumsum([int(np.prod(x.shape)) for x in like])[:-1]
+    return [piece.reshape(x.shape) for piece, x in zip(jnp.split(flat, offsets), like)]
 
+
+def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, skip_nonfinite: bool):
+    """Inside a shard_map body over `diloco`: the mean over replicas of each replica's `values`.
+
+    `values` is this replica's list of arrays (no replica axis), `finite` whether they are
+    all finite. With `skip_nonfinite` non-finite replicas are left out (if all are, the mean
+    is zero). `method` is a resolved `_exchange` method: `psum` is a float32 psum per leaf;
+    otherwise all leaves travel as one flat vector (one payload, one padded tail).
+
+    **Returns:** `(means, own_error)`: the replicated means, and this replica's quantization
+    error for error feedback (None for psum), zeroed when its values are not finite so that
+    no NaN residual is carried into later syncs.
+    """
+    weight = finite.astype(jnp.float32) if skip_nonfinite else jnp.float32(1.0)
+    if method == "psum":
+        # Lossless: a float32 psum of each replica's values (zeroed if it is skipped).
+        totals = [jax.lax.psum(jnp.where(weight > 0, v, jnp.zeros_like(v)), "diloco") for v in values]
+        own_error = None
+    else:
+        flat = jnp.concatenate([v.ravel() for v in values])
+        total, error = exchange_sum(flat, weight, fmt, method=method)
+        totals = unflatten_like(total, values)
+        own_error = unflatten_like(jnp.where(finite, error, jnp.zeros_like(error)), values)
+    count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
+    return [t / count for t in totals], own_error
 
 
 def mean_outer_gradient(
@@ -77,23 +102,9 @@ def mean_outer_gradient(
         if error_feedback:
             deltas = [d + e[0] for d, e in zip(deltas, residuals)]
         finite = all_finite(deltas)
-        weight = finite.astype(jnp.float32) if skip_nonfinite else jnp.float32(1.0)
-        new_residuals = None
-        if method == "psum":
-            # Lossless: a float32 psum of each replica's delta (zeroed if it is skipped).
-            totals = [jax.lax.psum(jnp.where(weight > 0, d, jnp.zeros_like(d)), "diloco") for d in deltas]
-        else:
-            # All leaves of the group travel as one flat vector: one payload, one padded tail.
-            flat = jnp.concatenate([d.ravel() for d in deltas])
-            total, own_error = exchange_sum(flat, weight, fmt, method=method)
-            if error_feedback:
-                # A non-finite outer gradient must not leave a NaN residual behind: it would be
-                # added to every later delta of this group and skip the replica forever.
-                residual = jnp.where(finite, own_error, jnp.zeros_like(own_error))
-                new_residuals = [r.reshape(d.shape)[None] for r, d in zip(_split(residual, deltas), deltas)]
-            totals = [t.reshape(d.shape) for t, d in zip(_split(total, deltas), deltas)]
-        count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
-        return [t / count for t in totals], finite[None], new_residuals
+        means, own_error = replica_mean(deltas, finite, fmt=fmt, method=method, skip_nonfinite=skip_nonfinite)
+        new_residuals = [e[None] for e in own_error] if error_feedback else None
+        return means, finite[None], new_residuals
 
     return jax.shard_map(
         body,
