@@ -255,3 +255,17 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     # The launcher reports the clean stop of process 0 as a failure (exit 1) when it did not get the
     # signal itself; when it does (the usual case) it exits 128 + signal.
     assert proc.returncode != 0
+
+
+def test_excepthook_drops_only_closed_event_loop_noise():
+    """The hook train.py installs for TensorStore's late callbacks after a failed save."""
+    from eqx_diloco.train import _quiet_closed_event_loops
+
+    seen = []
+    hook = _quiet_closed_event_loops(lambda kind, value, tb: seen.append(value))
+    hook(RuntimeError, RuntimeError("Event loop is closed"), None)
+    assert seen == []
+    other = RuntimeError("something else")
+    hook(RuntimeError, other, None)
+    hook(ValueError, ValueError("Event loop is closed"), None)
+    assert seen[0] is other and isinstance(seen[1], ValueError)
