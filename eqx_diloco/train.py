@@ -26,17 +26,17 @@ from .mesh import devices_needed, process_layout, setup_devices
 _hard_exit = False
 
 
-def _quiet_closed_event_loops(excepthook=sys.excepthook):
-    """TensorStore reports an exception raised in its completion callbacks with PyErr_Print,
-    which goes through sys.excepthook. After a failed save, orbax closes its event loop while
-    TensorStore writes are still finishing, and each of their callbacks then prints
-    "RuntimeError: Event loop is closed" (dozens of tracebacks, racing the one line that says what
-    happened). Only that error is dropped; everything else reaches the usual hook."""
+def _quiet_closed_event_loops(unraisablehook=sys.unraisablehook):
+    """A sys.unraisablehook that drops one kind of noise. TensorStore reports an exception raised
+    in its completion callbacks with PyErr_WriteUnraisable. After a failed save, orbax closes its
+    event loop while TensorStore writes are still finishing, and each of their callbacks then
+    reports "RuntimeError: Event loop is closed" (dozens of tracebacks, racing the one line that
+    says what happened). Only that error is dropped; everything else reaches the usual hook."""
 
-    def hook(kind, value, tb):
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        excepthook(kind, value, tb)
+    def hook(args):
+        value = args.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            unraisablehook(args)
 
     return hook
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             # A failed asynchronous save makes orbax log each of its threads' tracebacks (hundreds of
             # lines); the one line below says what happened.
             logging.getLogger("absl").setLevel(logging.CRITICAL)
-            sys.excepthook = _quiet_closed_event_loops()
+            sys.unraisablehook = _quiet_closed_event_loops()
             try:
                 train(config)
             except NonFiniteError as e:

@@ -257,15 +257,17 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert proc.returncode != 0
 
 
-def test_excepthook_drops_only_closed_event_loop_noise():
+def test_unraisablehook_drops_only_closed_event_loop_noise():
     """The hook train.py installs for TensorStore's late callbacks after a failed save."""
+    from types import SimpleNamespace
+
     from eqx_diloco.train import _quiet_closed_event_loops
 
     seen = []
-    hook = _quiet_closed_event_loops(lambda kind, value, tb: seen.append(value))
-    hook(RuntimeError, RuntimeError("Event loop is closed"), None)
+    hook = _quiet_closed_event_loops(lambda args: seen.append(args.exc_value))
+    hook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
     assert seen == []
     other = RuntimeError("something else")
-    hook(RuntimeError, other, None)
-    hook(ValueError, ValueError("Event loop is closed"), None)
+    hook(SimpleNamespace(exc_value=other))
+    hook(SimpleNamespace(exc_value=ValueError("Event loop is closed")))
     assert seen[0] is other and isinstance(seen[1], ValueError)
