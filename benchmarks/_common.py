@@ -99,6 +99,7 @@ def summarize_run(run_dir: pathlib.Path, summary: dict[str, Any], tokens_per_ste
         "eval_loss": summary.get("eval_loss", evals[-1]["eval_loss"] if evals else None),
         "sent_bytes": summary.get("sent_bytes", last.get("sent_bytes")),
         "peak_sync_bytes": summary.get("peak_sync_bytes", last.get("peak_sync_bytes")),
+        "wire_bytes": summary.get("wire_bytes", last.get("wire_bytes")),
         "metrics_sent_bytes": last.get("sent_bytes"),
         "metrics_peak_sync_bytes": last.get("peak_sync_bytes"),
         "final_train_loss": statistics.fmean(train_tail) if train_tail else None,
@@ -141,6 +142,44 @@ def average_seeds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for points in zip(*(r["curve"] for r in results))
     ]
     return out
+
+
+# -- statistics over seeds ----------------------------------------------------------------
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def mean_sd(values: Iterable[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation (None below 2 values) and half-width of the 95%
+    t-interval of the mean (None below 2 values), with the values themselves."""
+    values = list(values)
+    n = len(values)
+    mean = statistics.fmean(values) if n else None
+    sd = statistics.stdev(values) if n >= 2 else None
+    ci = _T975.get(n - 1, 1.96) * sd / math.sqrt(n) if sd is not None else None
+    return {"n": n, "mean": mean, "sd": sd, "ci95": ci, "values": values}
+
+
+def paired_gap(losses: dict[int, float], reference: dict[int, float], *, scale: float = 100.0) -> dict[str, Any]:
+    """Gap of a method to its reference, paired by seed: for every seed both have,
+    `scale * (loss - reference) / reference` (scale 100: percent; 1: a fraction), then
+    `mean_sd` of those per-seed gaps, plus the seeds used. `losses` and `reference` map
+    seed -> final eval loss."""
+    seeds = sorted(set(losses) & set(reference))
+    gaps = [scale * (losses[s] - reference[s]) / reference[s] for s in seeds]
+    return mean_sd(gaps) | {"seeds": seeds}
+
+
+def fmt_pm(stat: dict[str, Any] | None, fmt: str, unit: str = "", *, scale: float = 1.0) -> str:
+    """`mean +- sd` of a `mean_sd` dict (`-` without a mean; no sd part without an sd),
+    each multiplied by `scale` and formatted with `fmt` (the sd without a sign)."""
+    if not stat or stat.get("mean") is None:
+        return "-"
+    text = format(scale * stat["mean"], fmt) + unit
+    if stat.get("sd") is not None:
+        text += " +- " + format(scale * stat["sd"], fmt.replace("+", "")) + unit
+    return text
 
 
 class TemporaryRunDirs:

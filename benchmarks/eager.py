@@ -4,7 +4,7 @@ Every run trains the same model on the embedded corpus for the same steps and to
 only difference is `--diloco.outer-overlap`. For each method and seed we report the final
 eval loss of the global model; the script computes mean +- sd over seeds and the paired
 gap of each method to blocking DiLoCo (same seed, same data): mean +- sd of
-`loss_method / loss_blocking - 1`.
+`loss_method / loss_blocking - 1` (`_common.paired_gap`).
 
 Modes (one CLI convention with the other benchmarks):
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
 import time
 
@@ -53,11 +52,6 @@ def make_config(method: str, seed: int, run_dir: pathlib.Path, args):
     return Config(run_dir=run_dir, model=model, diloco=diloco, train=train,
                   data=DataConfig(source="corpus", max_corpus_bytes=200_000 if quick else 8_000_000),
                   checkpoint=CheckpointConfig(every=0), compile_cache=False)
-
-
-def mean_sd(values):
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values), "values": values}
 
 
 def main(argv=None) -> int:
@@ -93,9 +87,8 @@ def main(argv=None) -> int:
                   f"{result['elapsed_s']:.0f}s  ETA {elapsed / done * (total - done):.0f}s", flush=True)
     rows = []
     for method in METHODS:
-        gaps = [losses[method][s] / losses["none"][s] - 1 for s in args.seeds]
-        rows.append({"method": method, "eval_loss": mean_sd([losses[method][s] for s in args.seeds]),
-                     "gap_to_blocking": mean_sd(gaps)})
+        rows.append({"method": method, "eval_loss": common.mean_sd([losses[method][s] for s in args.seeds]),
+                     "gap_to_blocking": common.paired_gap(losses[method], losses["none"], scale=1.0)})
     result = {
         "benchmark": "eager", "mode": "quick" if args.quick else "default", "num_devices": NUM_DEVICES,
         "seeds": args.seeds, "steps": args.steps, "sync_period": args.sync_period, "fragments": args.fragments,
@@ -105,8 +98,8 @@ def main(argv=None) -> int:
     table = ["| outer overlap | eval loss (mean +- sd) | gap to blocking (paired, mean +- sd) | n |", "|---|---|---|---|"]
     for row in rows:
         e, g = row["eval_loss"], row["gap_to_blocking"]
-        table.append(f"| {row['method']} | {e['mean']:.4f} +- {e['sd']:.4f} | "
-                     f"{100 * g['mean']:+.2f}% +- {100 * g['sd']:.2f}% | {e['n']} |")
+        table.append(f"| {row['method']} | {common.fmt_pm(e, '.4f')} | "
+                     f"{common.fmt_pm(g, '+.2f', '%', scale=100)} | {e['n']} |")
     header = (f"R = 2, H = {args.sync_period}, P = {args.fragments}, {args.steps} steps, "
               f"{args.batch_size} x {64 if not args.quick else 16} tokens per replica step, outer SGD lr "
               f"{args.outer_lr} momentum {args.outer_momentum} (Nesterov), quantize {args.quantize}, "

@@ -75,7 +75,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import pathlib
 import shutil
 import statistics
@@ -386,17 +385,7 @@ def run_studies(studies: dict[str, Scale], seeds: Sequence[int], out: pathlib.Pa
 
 # -- statistics --------------------------------------------------------------------------
 
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def mean_sd(values: Sequence[float]) -> dict[str, Any]:
-    """Mean, sample standard deviation and half-width of the 95% t-interval of the mean."""
-    values = list(values)
-    n = len(values)
-    mean = statistics.fmean(values) if n else None
-    sd = statistics.stdev(values) if n >= 2 else None
-    ci = _T975.get(n - 1, 1.96) * sd / math.sqrt(n) if sd is not None else None
-    return {"n": n, "mean": mean, "sd": sd, "ci95": ci, "values": values}
+mean_sd = common.mean_sd  # mean, sd and 95% t-interval over seeds (shared with the other benchmarks)
 
 
 def _spec_of(row: dict[str, Any]) -> Spec:
@@ -431,10 +420,8 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         spec = _spec_of(row)
         ref = by_seed.get(spec.reference)
         if spec.algorithm == "diloco" and ref is not None:
-            paired = sorted(set(by_seed[cell]) & set(ref))
-            gaps = [100.0 * (by_seed[cell][s] - ref[s]) / ref[s] for s in paired]
             row["reference"] = spec.reference
-            row["gap_pct"] = mean_sd(gaps) | {"seeds": paired}
+            row["gap_pct"] = common.paired_gap(by_seed[cell], ref)
     key = lambda r: (r["replicas"], r["batch_size"], r["algorithm"] != "ddp", r["sync_period"],
                      -r["outer_lr"], r["outer_momentum"])
     return sorted(rows.values(), key=key)
@@ -443,13 +430,7 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- report --------------------------------------------------------------------------------
 
 
-def _pm(stat: dict[str, Any] | None, fmt: str, unit: str = "") -> str:
-    if not stat or stat.get("mean") is None:
-        return "-"
-    text = format(stat["mean"], fmt) + unit
-    if stat.get("sd") is not None:
-        text += " +- " + format(stat["sd"], fmt.replace("+", "")) + unit
-    return text
+_pm = common.fmt_pm
 
 
 def render_study(name: str, study: dict[str, Any], mode: str = "full") -> list[str]:

@@ -23,7 +23,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import _common as common  # noqa: E402
-from benchmarks.eager import mean_sd  # noqa: E402
 
 NUM_DEVICES = 4
 METHODS = {"float32": {}, "int4_two_phase": dict(quantize="int4", error_feedback=True, exchange="two_phase")}
@@ -72,17 +71,17 @@ def main(argv=None) -> int:
             print(f"[{done}/{total}] {method:<15} seed {seed}  eval {result['eval_loss']:.4f}  "
                   f"{result['elapsed_s']:.0f}s  ETA {(time.perf_counter() - start) / done * (total - done):.0f}s",
                   flush=True)
-    gaps = [losses["int4_two_phase"][s] / losses["float32"][s] - 1 for s in args.seeds]
     result = {"benchmark": "quantized_r4", "mode": "quick" if args.quick else "default", "num_devices": NUM_DEVICES,
               "seeds": args.seeds, "steps": args.steps, "sync_period": args.sync_period,
-              "eval_loss": {m: mean_sd([losses[m][s] for s in args.seeds]) for m in METHODS},
-              "gap_int4_to_float32": mean_sd(gaps), "wire_bytes": wire,
+              "eval_loss": {m: common.mean_sd([losses[m][s] for s in args.seeds]) for m in METHODS},
+              "gap_int4_to_float32": common.paired_gap(losses["int4_two_phase"], losses["float32"], scale=1.0),
+              "wire_bytes": wire,
               "wire_ratio": wire["int4_two_phase"] / wire["float32"], "machine": common.machine_info()}
     e, g = result["eval_loss"], result["gap_int4_to_float32"]
     text = (f"R = 4, H = {args.sync_period}, {args.steps} steps, seeds {args.seeds}, {NUM_DEVICES} simulated CPU devices\n\n"
             "| exchange | eval loss (mean +- sd) | wire bytes per replica (whole run) |\n|---|---|---|\n"
-            + "".join(f"| {m} | {e[m]['mean']:.4f} +- {e[m]['sd']:.4f} | {wire[m] / 1e6:.2f} MB |\n" for m in METHODS)
-            + f"\npaired gap int4 two-phase vs float32: {100 * g['mean']:+.2f}% +- {100 * g['sd']:.2f}% "
+            + "".join(f"| {m} | {common.fmt_pm(e[m], '.4f')} | {wire[m] / 1e6:.2f} MB |\n" for m in METHODS)
+            + f"\npaired gap int4 two-phase vs float32: {common.fmt_pm(g, '+.2f', '%', scale=100)} "
               f"(n = {g['n']}); wire bytes ratio {result['wire_ratio']:.3f}\n")
     common.write_json(args.out / "quantized_r4.json", result)
     common.write_text(args.out / "quantized_r4.md", text)
