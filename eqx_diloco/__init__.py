@@ -9,6 +9,7 @@ import importlib
 
 from . import quantize, schedule
 from ._diloco import DiLoCo, default_outer_optimizer
+from ._elastic import IslandSnapshots
 from ._errors import ConfigError, NonFiniteError
 from .checkpoint import CheckpointError, Checkpointer
 from .fragments import Fragmenter, layer_groups, stack_flags
@@ -22,7 +23,8 @@ from .step import make_inner_step
 # loaded on first use (`eqx_diloco.Trainer`), and `import eqx_diloco` stays model-free.
 _CLI_LAYER = {
     **dict.fromkeys(
-        ["CheckpointConfig", "Config", "DataConfig", "DiLoCoConfig", "MeshConfig", "TrainConfig", "validate"],
+        ["CheckpointConfig", "Config", "DataConfig", "DiLoCoConfig", "ElasticConfig", "MeshConfig", "TrainConfig",
+         "validate"],
         ".config",
     ),
     **dict.fromkeys(["Trainer", "global_model", "train"], ".trainer"),
@@ -44,8 +46,10 @@ __all__ = [
     "DataConfig",
     "DiLoCo",
     "DiLoCoConfig",
+    "ElasticConfig",
     "FragmentGroup",
     "Fragmenter",
+    "IslandSnapshots",
     "LeafGroup",
     "MeshConfig",
     "NonFiniteError",

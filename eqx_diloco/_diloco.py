@@ -28,6 +28,7 @@ from .checkpoint import Checkpointer
 from .groups import make_groups
 from .mesh import build_meshes, ensure_cpu_devices
 from ._eager import InFlightExchange, OverlappedOuter
+from ._elastic import IslandSnapshots, agree_on_step, island_payload, own_replica, reform_state
 from .outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes, sync_wire_nbytes
 from .state import TrainState, build_state, state_shardings
 from .step import LossFn, make_inner_step
@@ -478,6 +479,44 @@ class DiLoCo:
         state, saved_step = restored
         self._in_flight.clear()
         self._last_state, self._next_step = state, saved_step
+        return state
+
+    # -- elastic islands (one replica per process; see `_elastic`) ------------------------------
+
+    @property
+    def settled(self) -> bool:
+        """Whether no sync is in flight: right after a sync or merge, a sync boundary."""
+        return not self._in_flight
+
+    def own_replica(self) -> int:
+        """The replica whose rows this process holds (an island holds exactly one)."""
+        return own_replica(self.shardings.keys, self.num_replicas)
+
+    def island_snapshot(self, state: TrainState, *, island: int) -> dict[str, Any]:
+        """Host copies of what island `island` (this process) needs to come back at this step.
+
+        Call it at a sync boundary (`settled`); blocks until `state` is computed. Write the
+        result with `IslandSnapshots.write`.
+        """
+        _require(self.settled, "island_snapshot needs a sync boundary: no sync may be in flight")
+        return island_payload(state, step=self._current_step(state), replica=self.own_replica(), island=island)
+
+    def reform(self, snapshots: IslandSnapshots, *, island: int, key: PRNGKeyArray) -> TrainState | None:
+        """The state re-formed from the live islands' newest snapshot (None if no island has one).
+
+        Every process calls it (it agrees on the step and broadcasts theta_g and the outer
+        state from an island that has them); this island keeps its own rows if it has that
+        step, else starts from theta_g with a fresh inner optimizer state. `key` seeds that
+        fresh PRNG stream. Needs `init`, `abstract` or `restore` first (for the shapes).
+        """
+        _require(self._bound is not None, "call abstract(model) (or init / restore) before reform")
+        step, source = agree_on_step(snapshots)
+        if step is None:
+            return None
+        state = reform_state(self, snapshots, step=step, source=source, island=island,
+                             replica=self.own_replica(), key=key)
+        self._in_flight.clear()
+        self._last_state, self._next_step = state, step
         return state
 
     def abstract(self, model: PyTree) -> TrainState:

@@ -126,6 +126,18 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic islands: losing an island (process) does not stop the run (`eqx_diloco.launch --max-restarts`)."""
+
+    enabled: bool = False
+    """snapshot each island's state at every sync boundary (asynchronously, to `<run-dir>/elastic/island-<i>`) and start from the live islands' newest snapshot; needs one replica per process and --diloco.outer-overlap none."""
+    min_replicas: int = 1
+    """the launcher stops the run (one line, exit 1) when fewer islands than this are live."""
+    keep_snapshots: int = 2
+    """snapshots each island keeps (>= 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints."""
 
@@ -154,6 +166,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     dist: DistributedConfig = DistributedConfig()
+    elastic: ElasticConfig = ElasticConfig()
     compile_cache: bool = True
     """keep compiled programs in JAX's persistent compilation cache ($JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/eqx_diloco/jax, else ~/.cache/eqx_diloco/jax), so the next run of the same config starts training sooner; `--no-compile-cache` compiles everything afresh."""
 
@@ -187,6 +200,7 @@ def validate(config: Config) -> None:
         ("--mesh.data", config.mesh.data),
         ("--data.max-corpus-bytes", data.max_corpus_bytes),
         ("--dist.heartbeat-timeout-s", config.dist.heartbeat_timeout_s),
+        ("--elastic.min-replicas", config.elastic.min_replicas),
     ]:
         _require(value >= 1, f"{flag} must be >= 1 (got {value})")
     for flag, value in [
@@ -277,6 +291,7 @@ def validate(config: Config) -> None:
             "--diloco.exchange": d.exchange != "auto",
             "--diloco.outer-overlap": d.outer_overlap != "none",
             "--diloco.router-sync-period": d.router_sync_period != 0,
+            "--elastic.enabled": config.elastic.enabled,
         }
         for flag, set_ in streaming.items():
             _require(not set_, f"{flag} applies to --algorithm diloco only, not ddp")
@@ -301,6 +316,11 @@ def validate(config: Config) -> None:
         _require(d.alpha == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.alpha > 0")
         _require(d.router_sync_period == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.router-sync-period")
         _require(o != "eager" or train.on_nonfinite == "stop", "--diloco.outer-overlap eager needs --train.on-nonfinite stop")
+    if config.elastic.enabled:
+        _require(d.outer_overlap == "none", f"--elastic.enabled needs --diloco.outer-overlap none (got {d.outer_overlap}): "
+                 "a whole-round exchange is always in flight, so there is no sync boundary to snapshot")
+        _require(config.elastic.keep_snapshots >= 2,
+                 f"--elastic.keep-snapshots must be >= 2 (got {config.elastic.keep_snapshots})")
     _require(
         not d.error_feedback or d.quantize != "none",
         "--diloco.error-feedback needs a lossy --diloco.quantize format (got none)",

@@ -189,6 +189,10 @@ class TokenBatches:
     - `split`: `"contiguous"` (replica r samples windows inside its own r-th share of the
       train split: islands with their own data) or `"iid"` (every replica samples windows
       from the whole train split, each with its own random stream).
+    - `islands`: with elastic islands, the island each replica is (default: replica r is
+      island r). An island keeps its own data share and random stream whichever islands are
+      live; the train split is cut into `num_islands` shares.
+    - `num_islands`: the run's full island count (default: `num_replicas`).
     """
 
     def __init__(
@@ -201,6 +205,8 @@ class TokenBatches:
         eval_fraction: float,
         seed: int,
         split: str = "contiguous",
+        islands: tuple[int, ...] | None = None,
+        num_islands: int | None = None,
     ):
         if split not in ("contiguous", "iid"):
             raise ConfigError(f"--data.split must be contiguous or iid (got {split})")
@@ -208,8 +214,12 @@ class TokenBatches:
         self.train, self.held_out = tokens[:end], tokens[end:]
         self.num_replicas, self.batch_size, self.seq_len, self.seed = num_replicas, batch_size, seq_len, seed
         self.split = split
-        # The region replica r samples from: its own share, or the whole train split.
-        self.share = len(self.train) // num_replicas if split == "contiguous" else len(self.train)
+        self.islands = tuple(range(num_replicas)) if islands is None else tuple(islands)
+        num_islands = num_replicas if num_islands is None else num_islands
+        if len(self.islands) != num_replicas or not all(0 <= i < num_islands for i in self.islands):
+            raise ConfigError(f"islands {self.islands} must name one of {num_islands} islands per replica ({num_replicas})")
+        # The region an island samples from: its own share, or the whole train split.
+        self.share = len(self.train) // num_islands if split == "contiguous" else len(self.train)
         window = seq_len + 1
         if self.share < window:
             raise ConfigError(
@@ -225,9 +235,9 @@ class TokenBatches:
         """Tokens for inner step `step` (0-based): int32 of shape (R, batch_size, seq_len + 1)."""
         window = self.seq_len + 1
         out = np.empty((self.num_replicas, self.batch_size, window), np.int32)
-        for r in range(self.num_replicas):
-            rng = np.random.default_rng([self.seed, r, step])
-            offset = r * self.share if self.split == "contiguous" else 0
+        for r, island in enumerate(self.islands):
+            rng = np.random.default_rng([self.seed, island, step])
+            offset = island * self.share if self.split == "contiguous" else 0
             starts = offset + rng.integers(0, self.share - window + 1, self.batch_size)
             out[r] = self.train[starts[:, None] + np.arange(window)]
         return out

@@ -156,13 +156,13 @@ def _blamed_tasks(output: str) -> set[int]:
 class _Tee(threading.Thread):
     """Copies a child's stderr to ours and to its log file, keeping the last lines."""
 
-    def __init__(self, pipe, log: Path):
+    def __init__(self, pipe, log: Path, mode: str = "w"):
         super().__init__(daemon=True)
-        self.pipe, self.log = pipe, log
+        self.pipe, self.log, self.mode = pipe, log, mode
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
 
     def run(self) -> None:
-        with self.log.open("w") as f:
+        with self.log.open(self.mode) as f:
             for line in iter(self.pipe.readline, ""):
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -217,29 +217,12 @@ def launch(
         limit = LinkLimit(bandwidth)
         prefix = limit.__enter__()
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     procs: list[subprocess.Popen] = []
     logs = [log_dir / f"process_{i}.log" for i in range(num_processes)]
     tee = None
-    preexec = _die_with_launcher()
     try:
         with _Signals() as signals:
-            for i in range(num_processes):
-                env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                           JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
-                # Process 0's stdout is this terminal (progress bar); its stderr is copied here
-                # and to its log, so the launcher can read why it failed. The others log to files.
-                out = None if i == 0 else logs[i].open("w")
-                cmd = [*prefix, sys.executable, "-m", module, *flags]
-                procs.append(subprocess.Popen(
-                    cmd, env=env, stdout=out, stderr=subprocess.PIPE if i == 0 else subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=preexec, text=i == 0, errors="replace" if i == 0 else None,
-                ))
-                if out is not None:
-                    out.close()
-            # Threads only after the last fork: preexec_fn is not safe while other threads run.
-            tee = _Tee(procs[0].stderr, logs[0])
-            tee.start()
+            procs, tee = spawn(num_processes, flags, module=module, prefix=prefix, logs=logs)
             return _supervise(procs, logs, tee, signals, grace_s)
     finally:
         _stop(procs)
@@ -247,6 +230,69 @@ def launch(
             tee.join(timeout=5)
         if limit is not None:
             limit.__exit__()
+
+
+def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth: str | None, log_dir: Path,
+                   grace_s: float, max_restarts: int, rejoin_after_s: float, drain_s: float) -> int:
+    """Run one island per process; a lost island re-forms the run with the others (see `_elastic_launch`)."""
+    from ._elastic_launch import ElasticLauncher, ElasticPolicy
+
+    min_replicas = _flag_value(flags, "--elastic.min-replicas")
+    policy = ElasticPolicy(max_restarts=max_restarts, rejoin_after_s=rejoin_after_s, drain_s=drain_s,
+                           min_replicas=int(min_replicas) if min_replicas and min_replicas.isdigit() else 1)
+    run_dir = Path(_flag_value(flags, "--run-dir") or "runs/default")
+    prefix: list[str] = []
+    limit = None
+    if bandwidth:
+        problem = LinkLimit.check()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        limit = LinkLimit(bandwidth)
+        prefix = limit.__enter__()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return ElasticLauncher(num_islands, flags, module=module, prefix=prefix, log_dir=log_dir, run_dir=run_dir,
+                               policy=policy, grace_s=grace_s).run()
+    finally:
+        if limit is not None:
+            limit.__exit__()
+
+
+def spawn(
+    num_processes: int,
+    flags: list[str],
+    *,
+    module: str,
+    prefix: list[str],
+    logs: list[Path],
+    env: list[dict[str, str]] | None = None,
+    log_mode: str = "w",
+) -> tuple[list[subprocess.Popen], _Tee]:
+    """Start the processes of one multi-process run (a fresh coordinator port) and tee process 0's stderr.
+
+    `env` adds variables per process; `log_mode` "a" appends to the logs (elastic generations).
+    """
+    port = free_port()
+    preexec = _die_with_launcher()
+    procs = []
+    for i in range(num_processes):
+        variables = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
+                         JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1", **(env[i] if env else {}))
+        # Process 0's stdout is this terminal (progress bar); its stderr is copied here
+        # and to its log, so the launcher can read why it failed. The others log to files.
+        out = None if i == 0 else logs[i].open(log_mode)
+        cmd = [*prefix, sys.executable, "-m", module, *flags]
+        procs.append(subprocess.Popen(
+            cmd, env=variables, stdout=out, stderr=subprocess.PIPE if i == 0 else subprocess.STDOUT,
+            start_new_session=True, preexec_fn=preexec, text=i == 0, errors="replace" if i == 0 else None,
+        ))
+        if out is not None:
+            out.close()
+    # Threads only after the last fork: preexec_fn is not safe while other threads run.
+    tee = _Tee(procs[0].stderr, logs[0], log_mode)
+    tee.start()
+    return procs, tee
 
 
 def _supervise(procs, logs, tee, signals: _Signals, grace_s: float) -> int:
@@ -317,13 +363,19 @@ def _report_failure(procs, logs, tee, failed: list[int]) -> int:
     return 1 if code > 0 else 128 - code
 
 
-def _num_replicas(flags: list[str]) -> int:
-    """`--diloco.num-replicas` among the trainer flags (the trainer's default if absent)."""
+def _flag_value(flags: list[str], name: str) -> str | None:
+    """The value of trainer flag `name` (`--x.y v` or `--x.y=v`) among `flags`, or None."""
     value = None
     for i, flag in enumerate(flags):
-        name, eq, inline = flag.partition("=")
-        if name.replace("_", "-") == "--diloco.num-replicas":
+        key, eq, inline = flag.partition("=")
+        if key.replace("_", "-") == name:
             value = inline if eq else (flags[i + 1] if i + 1 < len(flags) else None)
+    return value
+
+
+def _num_replicas(flags: list[str]) -> int:
+    """`--diloco.num-replicas` among the trainer flags (the trainer's default if absent)."""
+    value = _flag_value(flags, "--diloco.num-replicas")
     if value is None:
         from .config import DiLoCoConfig
 
@@ -332,6 +384,18 @@ def _num_replicas(flags: list[str]) -> int:
         return int(value)
     except ValueError:
         return 0
+
+
+def _elastic(flags: list[str]) -> bool:
+    """Whether the trainer flags turn on `--elastic.enabled` (tyro's boolean flag: the last one wins)."""
+    on = False
+    for flag in flags:
+        name = flag.replace("_", "-")
+        if name in ("--elastic.enabled", "--elastic.enabled=True"):
+            on = True
+        elif name in ("--elastic.no-enabled", "--elastic.enabled=False"):
+            on = False
+    return on
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,6 +412,16 @@ def main(argv: list[str] | None = None) -> int:
                              "when the run succeeds)")
     parser.add_argument("--grace-s", type=float, default=30.0,
                         help="after forwarding SIGTERM/SIGHUP/SIGINT, seconds to wait before killing the processes")
+    elastic = parser.add_argument_group(
+        "elastic islands (with --elastic.enabled among the trainer flags: one process per island; a lost island "
+        "re-forms the run with the others from their newest sync boundary)")
+    elastic.add_argument("--max-restarts", type=int, default=0,
+                         help="times each island is restarted after it was lost; it rejoins at a sync boundary")
+    elastic.add_argument("--rejoin-after-s", type=float, default=0.0,
+                         help="seconds between losing an island and restarting it")
+    elastic.add_argument("--drain-s", type=float, default=3.0,
+                         help="seconds the survivors get to finish writing their newest snapshot before they are "
+                              "stopped and re-formed")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags for every process")
     args = parser.parse_args(argv)
     if args.num_processes < 1:
@@ -357,18 +431,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --grace-s must be >= 0 (got {args.grace_s})", file=sys.stderr)
         return 2
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    if args.module == "eqx_diloco.train":
-        replicas = _num_replicas(flags)
-        if replicas >= 1 and replicas % args.num_processes:
-            print(f"error: --num-processes must divide --diloco.num-replicas: every process trains whole replicas "
-                  f"(got {args.num_processes} processes for {replicas} replicas)", file=sys.stderr)
-            return 2
+    elastic = _elastic(flags)
+    replicas = _num_replicas(flags)
+    if elastic and _flag_value(flags, "--diloco.num-replicas") is None:
+        replicas = args.num_processes  # each generation is told its live island count
+    if elastic and replicas != args.num_processes:
+        print(f"error: --elastic.enabled needs one island per process: --num-processes must equal "
+              f"--diloco.num-replicas (got {args.num_processes} processes for {replicas} replicas)", file=sys.stderr)
+        return 2
+    if args.module == "eqx_diloco.train" and replicas >= 1 and replicas % args.num_processes:
+        print(f"error: --num-processes must divide --diloco.num-replicas: every process trains whole replicas "
+              f"(got {args.num_processes} processes for {replicas} replicas)", file=sys.stderr)
+        return 2
     if args.log_dir is not None and args.log_dir.exists() and not args.log_dir.is_dir():
         print(f"error: --log-dir is not a folder: {args.log_dir}", file=sys.stderr)
         return 2
+    for flag, value in [("--max-restarts", args.max_restarts), ("--rejoin-after-s", args.rejoin_after_s),
+                        ("--drain-s", args.drain_s)]:
+        if not value >= 0:
+            print(f"error: {flag} must be >= 0 (got {value})", file=sys.stderr)
+            return 2
+    if args.max_restarts and not elastic:
+        print("error: --max-restarts needs --elastic.enabled among the trainer flags (islands rejoin from "
+              "their snapshots)", file=sys.stderr)
+        return 2
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="eqx_diloco_launch_"))
-    code = launch(args.num_processes, flags, module=args.module, bandwidth=args.bandwidth, log_dir=log_dir,
-                  grace_s=args.grace_s)
+    if elastic:
+        code = launch_elastic(args.num_processes, flags, module=args.module, bandwidth=args.bandwidth,
+                              log_dir=log_dir, grace_s=args.grace_s, max_restarts=args.max_restarts,
+                              rejoin_after_s=args.rejoin_after_s, drain_s=args.drain_s)
+    else:
+        code = launch(args.num_processes, flags, module=args.module, bandwidth=args.bandwidth, log_dir=log_dir,
+                      grace_s=args.grace_s)
     if args.log_dir is None and (code == 0 or not any(log_dir.iterdir())):
         shutil.rmtree(log_dir, ignore_errors=True)  # a default folder is only kept to explain a failure
     elif code != 0:

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                 from ._banner import describe_setup
 
                 print(describe_setup(config), flush=True)
-            from .trainer import CheckpointSaveError, NonFiniteError, TrainingStopped, train  # after the device count is set
+            from .trainer import (  # after the device count is set
+                REFORM_EXIT_CODE, CheckpointSaveError, NonFiniteError, Reforming, TrainingStopped, train)
 
             # A failed asynchronous save makes orbax log each of its threads' tracebacks (hundreds of
             # lines); the one line below says what happened.
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 _hard_exit = True
                 return 1
+            except Reforming:
+                return REFORM_EXIT_CODE  # the elastic launcher starts the next run at once
             except TrainingStopped as e:
                 print(e, file=sys.stderr, flush=True)
                 return 128 + e.signum

@@ -6,6 +6,8 @@ devices while it formats a log line); only evaluations and the end block.
 
 import contextlib
 import dataclasses
+import json
+import os
 import signal
 import threading
 import time
@@ -24,6 +26,7 @@ from models.transformer import lm_loss
 from . import schedule
 from ._banner import finished_message, format_summary
 from ._diloco import DiLoCo
+from ._elastic import REFORM_EXIT_CODE, IslandSnapshots
 from ._errors import NonFiniteError
 from ._tensorboard import TensorBoardLog
 from .checkpoint import Checkpointer, CheckpointSaveError
@@ -70,6 +73,28 @@ class TrainingStopped(Exception):
     def __init__(self, message: str, *, signum: int, step: int):
         super().__init__(message)
         self.signum, self.step = signum, step
+
+
+class Reforming(Exception):
+    """The launcher asked (SIGUSR1) to re-form the run so an island can rejoin: every island
+    stopped at the same sync boundary, after writing its snapshot of it."""
+
+    def __init__(self, step: int):
+        super().__init__(f"re-forming at step {step} so an island can rejoin")
+        self.step = step
+
+
+def island_layout(num_replicas: int) -> tuple[tuple[int, ...], int, list[dict]]:
+    """(the island of each replica, the run's full island count, events to log), from the
+    variables the elastic launcher sets; without them replica r is island r of R."""
+    islands = os.environ.get("EQX_DILOCO_ISLANDS")
+    ids = tuple(int(x) for x in islands.split(",")) if islands else tuple(range(num_replicas))
+    if len(ids) != num_replicas:
+        raise ConfigError(f"--diloco.num-replicas {num_replicas} does not match the {len(ids)} live islands "
+                          f"the launcher started ({islands})")
+    total = int(os.environ.get("EQX_DILOCO_NUM_ISLANDS", num_replicas))
+    events = json.loads(os.environ.get("EQX_DILOCO_ELASTIC_EVENTS", "[]"))
+    return ids, total, events
 
 
 def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -138,6 +163,11 @@ class Trainer:
         self.diloco = config.algorithm == "diloco"
         self.num_fragments = d.num_fragments if self.diloco else 1
         tokens = load_tokens(config.data, config.model.vocab_size, t.seed)
+        self.elastic = config.elastic.enabled
+        self.islands, num_islands, self.elastic_events = island_layout(d.num_replicas)
+        if self.elastic and jax.process_count() != d.num_replicas:
+            raise ConfigError(f"--elastic.enabled needs one replica per process: run {d.num_replicas} processes "
+                              f"for --diloco.num-replicas {d.num_replicas} (got {jax.process_count()})")
         self.batches = TokenBatches(
             tokens,
             num_replicas=d.num_replicas,
@@ -146,6 +176,8 @@ class Trainer:
             eval_fraction=config.data.eval_fraction,
             seed=t.seed,
             split=config.data.split,
+            islands=self.islands,
+            num_islands=num_islands,
         )
         self.abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
         self.core = make_diloco(config, self.abstract_model)
@@ -167,6 +199,9 @@ class Trainer:
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
         ck = config.checkpoint
         self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)
+        self.island = self.islands[jax.process_index()] if self.elastic else None
+        self.snapshots = (IslandSnapshots(config.run_dir / "elastic" / f"island-{self.island}",
+                                          keep=config.elastic.keep_snapshots) if self.elastic else None)
 
     # -- thin views of the core, for tests and benchmarks --------------------------------------
 
@@ -236,6 +271,17 @@ class Trainer:
     def initial_state(self) -> tuple[TrainState, int]:
         """The newest compatible checkpoint's state, or a fresh one from `--train.seed`."""
         restore_step = self.config.checkpoint.restore_step
+        if self.elastic and restore_step is None:
+            # The live islands' newest sync boundary (any replica count); an island without its
+            # own snapshot of it (one that rejoins) starts from theta_g.
+            seed_key = jax.random.split(jax.random.key(self.config.train.seed))[1]
+            key = jax.random.fold_in(jax.random.fold_in(seed_key, self.island), len(self.elastic_events))
+            state = self.core.reform(self.snapshots, island=self.island, key=key)
+            if state is not None:
+                step = int(replicated_value(state.step))
+                # Checkpoints past it were written by the islands before one was lost.
+                self.superseded = self.checkpointer.supersede(step)
+                return state, step
         state = self.core.restore(self.checkpointer, self.abstract_model, check=self.resume_check, step=restore_step)
         if state is not None:
             step = int(replicated_value(state.step))
@@ -285,6 +331,7 @@ class Trainer:
         replaces JAX's preemption notifier, which would otherwise swallow SIGTERM."""
         self._signal_seen = 0  # this process's signal, 0 if none
         self._stop_signal = 0  # the signal every process agreed to stop on, 0 if none
+        self._reform_due = False  # every island agreed to re-form at the next sync boundary
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -294,7 +341,12 @@ class Trainer:
             for s in STOP_SIGNALS:
                 signal.signal(s, signal.SIG_DFL)
 
+        def reform_handler(signum, frame):  # the elastic launcher: an island wants to rejoin
+            self._signal_seen = self._signal_seen or signum
+
         old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        if self.elastic:
+            old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, reform_handler)
         try:
             yield
         finally:
@@ -357,9 +409,12 @@ class Trainer:
         config, t_cfg = self.config, self.config.train
         T = t_cfg.steps
         if start and show:
-            display.log(f"resumed from checkpoint at step {start}")
+            if self.elastic_events:
+                display.log(f"re-formed at step {start} with islands {list(self.islands)}")
+            else:
+                display.log(f"resumed from checkpoint at step {start}")
         if self.superseded and show:
-            display.log(f"--checkpoint.restore-step {start}: newer checkpoints {sorted(self.superseded)} moved aside")
+            display.log(f"resumed at step {start}: newer checkpoints {sorted(self.superseded)} moved aside")
 
         sent = sum(self.sent_bytes_at(s) for s in range(1, start + 1))
         peak = max([self.sent_bytes_at(s) for s in range(1, start + 1)], default=0)
@@ -384,6 +439,10 @@ class Trainer:
             # How far routers drifted before a sync (MoE only).
             drift_fn = self.router_drift if self.moe and self.diloco else None
             state, metrics = self.core.step(state, tokens, before_sync=drift_fn)
+            boundary = self.elastic and (metrics["synced_fragment"] is not None or metrics["applied_fragment"]
+                                         is not None) and self.core.settled
+            if boundary:  # blocks until step t is computed (once per sync); the write is asynchronous
+                self.snapshots.write(self.core.island_snapshot(state, island=self.island))
             if step == start:  # the step programs (and those of the syncs due now) compiled in that call
                 self._compile_note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
             finite, drift = metrics.pop("sync_finite", None), metrics.pop("before_sync", None)
@@ -398,6 +457,12 @@ class Trainer:
             pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
                            wire=wire, peak=peak, router_drift=drift, global_finite=global_finite)
             final = t == T
+            if boundary and self._reform_due and not final:
+                self._emit(pending, display, tokens_per_step, last_time, last_step)
+                self.snapshots.wait()
+                self.checkpointer.wait()
+                self.state = state
+                raise Reforming(t)
             stop = bool(self._stop_signal) and not final
             eval_due = final or bool(t_cfg.eval_every and t % t_cfg.eval_every == 0)
             save_due = self.checkpointer.due(t) or final or stop
@@ -472,7 +537,19 @@ class Trainer:
             arrays["sync_finite"] = pending["finite"]
         arrays["stop_signal"] = self._stop_rows()  # every process's SIGTERM/SIGHUP, so all stop at one step
         m = self.gather(arrays)
-        self._stop_signal = self._stop_signal or int(np.max(m.pop("stop_signal")))
+        agreed = int(np.max(m.pop("stop_signal")))
+        if agreed == signal.SIGUSR1:
+            self._reform_due = True
+        else:
+            self._stop_signal = self._stop_signal or agreed
+        if self.elastic:
+            self._progress(t)
+        if self.elastic_events:  # the losses and rejoins that led to this run, once it trains again
+            now_unix = time.time()
+            for e in self.elastic_events:
+                self._write({"step": t, **{k: v for k, v in e.items() if k != "detected_unix"},
+                             "stalled_s": now_unix - e["detected_unix"]})
+            self.elastic_events = []
         skipped = self._check_finite(t, "loss", m["finite"])
         skipped_sync = self._check_finite(t, "outer gradient", m["sync_finite"]) if "sync_finite" in m else []
         fatal = None
@@ -507,6 +584,7 @@ class Trainer:
             "peak_sync_bytes": pending["peak"],
             "synced_fragment": pending["synced"],
             "applied_fragment": pending["applied"],
+            "live_replicas": self.config.diloco.num_replicas,
         }
         if skipped:
             record["skipped_replicas"] = skipped
@@ -525,6 +603,14 @@ class Trainer:
             display.log(f"step {t:>6}  {status}  sent {pending['sent'] / 1e6:.1f} MB")
         return now, t
 
+    def _progress(self, t: int) -> None:
+        """The last step this island finished, for the launcher's lost-work accounting."""
+        path = self.snapshots.directory / "progress.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name("progress.json.tmp")
+        tmp.write_text(json.dumps({"step": t, "pid": os.getpid()}))
+        os.replace(tmp, path)
+
     def _moe_metrics(self, m) -> dict[str, Any]:
         """Per layer, the normalized entropy of expert usage (1 = perfectly balanced)."""
         usage = np.asarray(m["expert_usage"])  # (R, layers, experts)
@@ -536,4 +622,4 @@ def train(config: Config, *, verbose: bool = True) -> dict[str, Any]:
     return Trainer(config, verbose=verbose).run()
 
 
-__all__ = ["CheckpointSaveError", "ConfigError", "NonFiniteError", "Trainer", "TrainingStopped", "global_model", "lm_objective", "make_diloco", "train"]
+__all__ = ["REFORM_EXIT_CODE", "CheckpointSaveError", "ConfigError", "NonFiniteError", "Reforming", "Trainer", "TrainingStopped", "global_model", "lm_objective", "make_diloco", "train"]

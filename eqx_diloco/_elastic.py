@@ -1,0 +1,219 @@
+"""Elastic islands: each island snapshots its share of the state at sync boundaries, and a run
+re-formed over whichever islands are live starts from the newest snapshot.
+
+An *island* is one process holding one replica. At a sync boundary (a step after which no sync
+is in flight) the state splits cleanly into a part every island holds alike (theta_g, the outer
+optimizer state and, with `outer_overlap="delayed"`, the arrived mailbox) and the island's own
+rows (its replica's parameters, inner optimizer state, PRNG key and quantization residual). Each
+island writes both to its own folder, asynchronously, so a snapshot needs no other process: an
+island that dies while the others are mid-save cannot leave them without the newest sync.
+
+Re-forming (see `reform_state`): the live islands agree on the newest step any of them has a
+snapshot of; the shared part comes from one island that has it (a device broadcast: no shared
+disk is needed); an island that has its own rows of that step keeps them, any other (one that
+rejoins, or one whose snapshot of that step is missing) starts from theta_g with a fresh inner
+optimizer state and a zero residual. The outer average of the re-formed run is then simply over
+the R' islands that are live.
+
+Eager outer updates keep a per-replica anchor (no shared theta_g), so they are not elastic.
+"""
+
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ._errors import ConfigError
+from .replica_values import _local_rows
+from .state import REPLICA_FIELDS, TrainState
+
+SHARED_FIELDS = ("global_params", "outer_states", "mail_mean")
+REFORM_EXIT_CODE = 75  # an island that stopped at a sync boundary so the run can re-form (a rejoin)
+_SUFFIX = ".snapshot"
+
+
+def _leaves(tree: Any) -> list:
+    return jax.tree.leaves(tree)
+
+
+class IslandSnapshots:
+    """The sync-boundary snapshots of one island, one file per step in `directory`.
+
+    **Arguments:**
+
+    - `directory`: the island's own folder (local disk is enough).
+    - `keep`: how many of the newest snapshots to keep (at least 2: the newest may be the one a
+      kill interrupted, which is never visible, since files appear by an atomic rename).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
+        self.directory = Path(directory)
+        self.keep = max(2, keep)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def steps(self) -> list[int]:
+        """Steps with a complete snapshot, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name[: -len(_SUFFIX)]) for p in self.directory.glob(f"*{_SUFFIX}")
+                      if p.name[: -len(_SUFFIX)].isdigit())
+
+    def newest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def load(self, step: int) -> dict[str, Any]:
+        with (self.directory / f"{step}{_SUFFIX}").open("rb") as f:
+            return pickle.load(f)
+
+    def write(self, payload: dict[str, Any], *, wait: bool = False) -> None:
+        """Write `payload` (host arrays, see `island_payload`) in a background thread.
+
+        A previous write is finished first; an error of a previous write is raised here.
+        """
+        self.wait()
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+        def work():
+            try:
+                final = self.directory / f"{payload['step']}{_SUFFIX}"
+                tmp = final.with_name(final.name + ".tmp")
+                with tmp.open("wb") as f:
+                    pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, final)
+                for old in self.steps()[: -self.keep]:
+                    (self.directory / f"{old}{_SUFFIX}").unlink(missing_ok=True)
+            except BaseException as e:  # reported by the next write or wait
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name="island-snapshot", daemon=True)
+        self._thread.start()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the last write is on disk; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise OSError(f"writing an island snapshot in {self.directory} failed: {error}") from error
+
+
+def island_payload(state: TrainState, *, step: int, replica: int, island: int) -> dict[str, Any]:
+    """Host copies of what island `island` (replica `replica` of `state`) needs to come back at `step`.
+
+    Blocks until `state` is computed. Shared fields are read from this process's first
+    shard (every device holds them in full); own fields are the island's replica's rows.
+    """
+    if state.mail_own is not None:
+        raise ConfigError("elastic islands need a shared theta_g: --diloco.outer-overlap eager is not elastic")
+    shared = {name: [np.asarray(x.addressable_shards[0].data) for x in _leaves(getattr(state, name))]
+              for name in SHARED_FIELDS}
+    own = {name: [_local_rows(x)[replica] for x in _leaves(getattr(state, name))] for name in REPLICA_FIELDS}
+    return {"step": step, "island": island, "shared": shared, "own": own}
+
+
+def agree_on_step(snapshots: IslandSnapshots) -> tuple[int | None, int]:
+    """(the newest step any live island has a snapshot of, the first process that has it).
+
+    Every process must call it at the same point (a collective over processes).
+    """
+    mine = snapshots.newest()
+    steps = np.asarray(multihost_utils.process_allgather(np.int64(-1 if mine is None else mine)))
+    steps = steps.reshape(-1)
+    newest = int(steps.max())
+    if newest < 0:
+        return None, 0
+    return newest, int(np.flatnonzero(steps == newest)[0])
+
+
+def reform_state(
+    diloco,
+    snapshots: IslandSnapshots,
+    *,
+    step: int,
+    source: int,
+    island: int,
+    replica: int,
+    key: jax.Array,
+) -> TrainState:
+    """The state of a run re-formed at `step` (see the module docstring), placed on `diloco`'s mesh.
+
+    **Arguments:**
+
+    - `diloco`: the `DiLoCo` core of the re-formed run (its R is the number of live islands),
+      bound to a model (`init`, `abstract` or `restore` called).
+    - `snapshots`: this island's snapshots.
+    - `step`, `source`: from `agree_on_step` (called by every process).
+    - `island`: this process's island id; `replica`: its replica index in the re-formed run.
+    - `key`: seeds the PRNG stream of an island that starts afresh.
+    """
+    abstract = diloco.abstract_state
+    if abstract.mail_own is not None:
+        raise ConfigError("elastic islands need a shared theta_g: --diloco.outer-overlap eager is not elastic")
+    mine = snapshots.load(step) if step in snapshots.steps() else None
+    template = {name: [np.zeros(x.shape, x.dtype) for x in _leaves(getattr(abstract, name))]
+                for name in SHARED_FIELDS}
+    is_source = jax.process_index() == source
+    shared = mine["shared"] if is_source else template
+    shared = multihost_utils.broadcast_one_to_all(shared, is_source=is_source)
+    own = mine["own"] if mine is not None else _fresh_rows(diloco, shared, key)
+
+    step_value = np.asarray(step, np.int32)
+    fields = {"step": jax.make_array_from_callback((), diloco.shardings.step, lambda index: step_value)}
+    for name in SHARED_FIELDS + REPLICA_FIELDS:
+        value = getattr(abstract, name)
+        leaves, treedef = jax.tree.flatten(value)
+        shardings = jax.tree.leaves(getattr(diloco.shardings, name))
+        placed = []
+        for i, (leaf, sharding) in enumerate(zip(leaves, shardings)):
+            if name in SHARED_FIELDS:
+                host = np.asarray(shared[name][i])
+                placed.append(jax.make_array_from_callback(leaf.shape, sharding, lambda index, h=host: h[index]))
+            else:
+                row = np.asarray(own[name][i])
+                placed.append(jax.make_array_from_callback(
+                    leaf.shape, sharding, lambda index, r=row: _row_for(index, r, replica)))
+        fields[name] = jax.tree.unflatten(treedef, placed) if value is not None else None
+    return TrainState(**fields, mail_own=None)
+
+
+def _row_for(index: tuple, row: np.ndarray, replica: int) -> np.ndarray:
+    rows = index[0]
+    start, stop = rows.start or 0, rows.stop
+    if (start, stop) != (replica, replica + 1):
+        raise RuntimeError(f"elastic islands need one replica per process (this process holds rows {start}:{stop})")
+    return row[None][(slice(None), *index[1:])]
+
+
+def _fresh_rows(diloco, shared: dict[str, list], key: jax.Array) -> dict[str, list]:
+    """Own rows of an island that (re)joins: theta_g, a fresh inner optimizer state, a zero residual."""
+    abstract = diloco.abstract_state
+    params = [np.asarray(x) for x in shared["global_params"]]
+    params_tree = jax.tree.unflatten(jax.tree.structure(abstract.global_params), [jnp.asarray(p) for p in params])
+    opt_state = [np.asarray(x) for x in _leaves(jax.jit(diloco.inner_optimizer.init)(params_tree))]
+    keys = [np.asarray(jax.random.key_data(key))]
+    residuals = [np.zeros(x.shape[1:], x.dtype) for x in _leaves(abstract.residuals)]
+    return {"params": params, "opt_state": opt_state, "keys": keys, "residuals": residuals}
+
+
+def own_replica(replica_sharding: jax.sharding.Sharding, num_replicas: int) -> int:
+    """The replica whose rows this process holds under `replica_sharding` (an island holds exactly one)."""
+    indices = replica_sharding.addressable_devices_indices_map((num_replicas, 2))
+    starts = {(index[0].start or 0) for index in indices.values()}
+    if len(starts) != 1:
+        raise ConfigError(
+            f"elastic islands need one replica per process (this process holds replicas {sorted(starts)}): "
+            f"run as many processes as --diloco.num-replicas")
+    return starts.pop()

@@ -1,0 +1,215 @@
+"""The elastic launcher: one process per island; losing one re-forms the run with the live ones.
+
+JAX's multi-controller runtime on CPU cannot take a process back once it died (see
+docs/elastic_probe.md: survivors can continue in-process, but a restarted process can never
+rejoin their gloo context). So the run is re-formed one level up. A *generation* is one
+multi-process run over the live islands. When an island dies (any exit but a clean one, or a
+frozen process), the others are stopped after `drain_s` seconds (time for their asynchronous
+snapshot of the newest sync boundary to reach disk) and the next generation starts at once with
+the survivors, from that boundary (`--elastic.enabled`: every island snapshots its share of the
+state at every sync boundary). An island with restarts left comes back `rejoin_after_s` seconds
+later: the running generation is asked (SIGUSR1) to stop at its next sync boundary, and the next
+generation includes the island again, starting from theta_g with a fresh inner optimizer state.
+
+Each generation learns which islands it holds, the full island count and the events that led to
+it from the variables `EQX_DILOCO_ISLANDS`, `EQX_DILOCO_NUM_ISLANDS` and
+`EQX_DILOCO_ELASTIC_EVENTS`; the trainer logs those events in metrics.jsonl.
+"""
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ._elastic import REFORM_EXIT_CODE, IslandSnapshots
+from .launch import _Signals, _signal_group, _stopped, _wait_or_kill, spawn
+
+
+@dataclasses.dataclass
+class ElasticPolicy:
+    """How the launcher treats lost islands.
+
+    - `max_restarts`: times each island may come back after it was lost.
+    - `rejoin_after_s`: seconds after a loss before the island comes back.
+    - `drain_s`: seconds the survivors get to finish their snapshot before they are stopped.
+    - `min_replicas`: below this many live islands the run stops (exit 1).
+    """
+
+    max_restarts: int = 0
+    rejoin_after_s: float = 0.0
+    drain_s: float = 3.0
+    min_replicas: int = 1
+
+
+class ElasticLauncher:
+    """Runs generations until the run finishes, fails, or too few islands are left."""
+
+    def __init__(self, num_islands: int, flags: list[str], *, module: str, prefix: list[str], log_dir: Path,
+                 run_dir: Path, policy: ElasticPolicy, grace_s: float):
+        self.num_islands, self.flags, self.module, self.prefix = num_islands, flags, module, prefix
+        self.log_dir, self.run_dir, self.policy, self.grace_s = log_dir, run_dir, policy, grace_s
+        self.live = list(range(num_islands))
+        self.restarts = [0] * num_islands
+        self.rejoin_at: dict[int, float] = {}  # island -> when it comes back
+        self.events: list[dict] = []  # to log in the next generation
+        self.procs: list[subprocess.Popen] = []
+        self.tee = None
+
+    def _say(self, message: str) -> None:
+        print(f"launcher: {message}", file=sys.stderr, flush=True)
+
+    def _progress(self, island: int) -> tuple[int, float]:
+        """(the last step the island finished, when it said so), (-1, 0) if never."""
+        path = self.run_dir / "elastic" / f"island-{island}" / "progress.json"
+        try:
+            return json.loads(path.read_text())["step"], path.stat().st_mtime
+        except (OSError, ValueError, KeyError):
+            return -1, 0.0
+
+    def _newest_snapshot(self, islands: list[int]) -> int:
+        steps = [IslandSnapshots(self.run_dir / "elastic" / f"island-{i}").newest() for i in islands]
+        return max([s for s in steps if s is not None], default=0)
+
+    def run(self) -> int:
+        with _Signals() as signals:
+            try:
+                generation = 0
+                while True:
+                    outcome = self._generation(generation, signals)
+                    if outcome is not None:
+                        return outcome
+                    generation += 1
+            finally:
+                self._stop_all(self.grace_s)
+
+    def _stop_all(self, grace_s: float) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+                _signal_group(p, signal.SIGCONT)
+        _wait_or_kill(self.procs, grace_s)
+        if self.tee is not None:
+            self.tee.join(timeout=5)
+
+    def _kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+        _wait_or_kill(self.procs, 0)
+        if self.tee is not None:
+            self.tee.join(timeout=5)
+
+    def _generation(self, generation: int, signals: _Signals) -> int | None:
+        """Start the live islands and supervise them. Returns an exit code, or None to re-form."""
+        islands = list(self.live)
+        n = len(islands)
+        logs = [self.log_dir / f"island_{i}.log" for i in islands]
+        for log in logs:
+            with log.open("a") as f:
+                f.write(f"=== generation {generation}: islands {islands} ===\n")
+        env = [{"EQX_DILOCO_ISLANDS": ",".join(map(str, islands)), "EQX_DILOCO_NUM_ISLANDS": str(self.num_islands),
+                "EQX_DILOCO_ELASTIC_EVENTS": json.dumps(self.events)} for _ in islands]
+        flags = [*self.flags, "--diloco.num-replicas", str(n)]
+        started = time.time()
+        self.procs, self.tee = spawn(n, flags, module=self.module, prefix=self.prefix, logs=logs, env=env,
+                                     log_mode="a")
+        self.events = []
+        asked_to_reform = False
+        while True:
+            if signals.received:
+                return self._forward(signals)
+            codes = [p.poll() for p in self.procs]
+            if all(c == 0 for c in codes):
+                self._report_end()
+                return 0
+            if all(c == REFORM_EXIT_CODE for c in codes):
+                self._rejoin(started)
+                return None
+            failed = [k for k, c in enumerate(codes) if c not in (None, 0, REFORM_EXIT_CODE)]
+            frozen = [k for k, p in enumerate(self.procs) if codes[k] is None and _stopped(p.pid)]
+            if failed or frozen:
+                return self._lost(islands, failed, frozen)
+            due = [i for i, at in self.rejoin_at.items() if at <= time.time()]
+            if due and not asked_to_reform and self._all_training(islands, started):
+                for p in self.procs:
+                    _signal_group(p, signal.SIGUSR1)
+                asked_to_reform = True
+                self._say(f"island(s) {due} back: the islands re-form at the next sync boundary")
+            time.sleep(0.05)
+
+    def _all_training(self, islands: list[int], started: float) -> bool:
+        """Every island of this generation finished a step (so its SIGUSR1 handler is installed)."""
+        return all(self._progress(i)[1] > started for i in islands)
+
+    def _lost(self, islands: list[int], failed: list[int], frozen: list[int]) -> int | None:
+        detected = time.time()
+        # The lost island: a frozen one, else one killed from outside (SIGABRT is JAX giving up on a
+        # dead peer), else the first that failed.
+        killed = [k for k in failed if self.procs[k].returncode < 0 and self.procs[k].returncode != -signal.SIGABRT]
+        first = (frozen or killed or failed)[0]
+        code = self.procs[first].returncode
+        # Everyone failing alike on their own (a refused flag, a divergence) is the run's failure, not a loss.
+        deadline = time.monotonic() + self.policy.drain_s
+        while time.monotonic() < deadline and not frozen:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                if code is not None and code > 0 and all(c == code for c in codes):
+                    self._say(f"every island exited with code {code}; see its last lines above")
+                    return code
+                break
+            time.sleep(0.05)
+        last_step = max(self._progress(i)[0] for i in islands)
+        self._kill_all()  # survivors may wait on the lost island inside a collective
+        island = islands[first]
+        how = ("was frozen" if frozen else f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        self.live.remove(island)
+        resume = self._newest_snapshot(self.live)
+        event = {"event": "island_lost", "island": island, "detected_unix": detected, "last_step": last_step,
+                 "resume_step": resume, "lost_steps": max(0, last_step - resume), "live_replicas": len(self.live)}
+        if len(self.live) < self.policy.min_replicas:
+            self._say(f"error: island {island} {how} at step {last_step}: {len(self.live)} live island(s) left, "
+                      f"below --elastic.min-replicas {self.policy.min_replicas}; stopped")
+            return 1
+        self.events.append(event)
+        plan = ""
+        if self.restarts[island] < self.policy.max_restarts:
+            self.restarts[island] += 1
+            self.rejoin_at[island] = detected + self.policy.rejoin_after_s
+            plan = f"; it rejoins in {self.policy.rejoin_after_s:g} s (restart {self.restarts[island]} of " \
+                   f"{self.policy.max_restarts})"
+        self._say(f"island {island} {how} at step {last_step}; re-forming with islands {self.live} from the sync "
+                  f"boundary at step {resume}{plan}")
+        return None
+
+    def _rejoin(self, started: float) -> None:
+        due = sorted(i for i, at in self.rejoin_at.items() if at <= time.time())
+        step = self._newest_snapshot(self.live)
+        for island in due:
+            del self.rejoin_at[island]
+            self.events.append({"event": "island_rejoined", "island": island, "detected_unix": time.time(),
+                                "resume_step": step, "live_replicas": len(self.live) + len(due)})
+        self.live = sorted(self.live + due)
+        self._say(f"island(s) {due} rejoin at step {step}: islands {self.live}")
+
+    def _forward(self, signals: _Signals) -> int:
+        sig = signals.received[0]
+        forward = signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, forward)
+        self._say(f"got {signal.Signals(sig).name}, sent {forward.name} to the islands "
+                  f"(killing them after {self.grace_s:g}s)")
+        deadline = time.monotonic() + self.grace_s
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline and len(signals.received) < 2:
+            time.sleep(0.05)
+        self._kill_all()
+        print("interrupted" if sig == signal.SIGINT else f"stopped by {signal.Signals(sig).name}", file=sys.stderr)
+        return 128 + sig
+
+    def _report_end(self) -> None:
+        lost = sum(self.restarts)
+        if lost or len(self.live) < self.num_islands:
+            self._say(f"finished with islands {self.live} of {self.num_islands} ({lost} rejoin(s))")
