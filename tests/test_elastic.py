@@ -1,0 +1,168 @@
+"""Elastic islands: kill one of 3 islands mid-run; the others go on with R = 2, then it rejoins.
+
+The rounds around the loss are recomputed from the islands' snapshots by a plain reference
+(per-replica optax loops, the outer step written out), so the test checks what the trainer
+averaged: the live replicas only, and after the rejoin the returning island starting from theta_g.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tyro
+
+from eqx_diloco import IslandSnapshots
+from eqx_diloco.config import Config
+from eqx_diloco.data import TokenBatches, load_tokens
+from eqx_diloco.optimizers import inner_optimizer
+from models import Transformer
+from models.transformer import lm_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+H = 4
+TRAIN_FLAGS = ["--elastic.enabled", "--elastic.keep-snapshots", "1000", "--model.num-layers", "2",
+               "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16", "--train.batch-size", "4",
+               "--data.source", "synthetic", "--train.log-every", "1", "--diloco.sync-period", str(H),
+               "--train.eval-every", "0", "--train.steps", "40", "--checkpoint.every", "1000", "--no-compile-cache"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _island_dir(run: Path, island: int) -> Path:
+    return run / "elastic" / f"island-{island}"
+
+
+def _kill_when_past(run: Path, island: int, step: int, proc: subprocess.Popen, timeout_s: float = 240) -> int:
+    """SIGKILL `island`'s process once it finished `step`; returns the step it had reached."""
+    progress = _island_dir(run, island) / "progress.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before the island was killed"
+        try:
+            seen = json.loads(progress.read_text())
+        except (OSError, ValueError):
+            seen = None
+        if seen and seen["step"] >= step:
+            os.kill(seen["pid"], signal.SIGKILL)
+            return seen["step"]
+        time.sleep(0.02)
+    raise AssertionError(f"island {island} never reached step {step}")
+
+
+def _reference_round(config: Config, rows: dict[int, dict], global_leaves: list, islands: list[int], start: int):
+    """theta_g after the round start -> start + H: each island's replica runs H AdamW steps on its own
+    data from its own rows, then theta_g moves by the outer SGD (lr 1, no momentum) along the mean of
+    (theta_g - theta_r) over exactly these islands."""
+    model = Transformer(config.model, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    treedef = jax.tree.structure(params)
+    opt = inner_optimizer(config.train, model.weight_decay_mask())
+    opt_treedef = jax.tree.structure(opt.init(params))
+    tokens = load_tokens(config.data, config.model.vocab_size, config.train.seed)
+    batches = TokenBatches(tokens, num_replicas=len(islands), batch_size=config.train.batch_size,
+                           seq_len=config.train.seq_len, eval_fraction=config.data.eval_fraction,
+                           seed=config.train.seed, split=config.data.split, islands=tuple(islands), num_islands=3)
+
+    @jax.jit
+    def inner(p, s, batch):
+        grads = jax.grad(lambda q: lm_loss(eqx.combine(q, static), batch)[0])(p)
+        updates, s = opt.update(grads, s, p)
+        return jax.tree.map(lambda a, u: a + u, p, updates), s
+
+    theta_g = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in global_leaves])
+    finals = []
+    for r, island in enumerate(islands):
+        p = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in rows[island]["params"]])
+        s = jax.tree.unflatten(opt_treedef, [jnp.asarray(x) for x in rows[island]["opt_state"]])
+        with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix float and int32 counts
+            for step in range(start, start + H):
+                p, s = inner(p, s, jnp.asarray(batches.batch(step)[r]))
+        finals.append(p)
+    outer_grad = jax.tree.map(lambda g, *ps: g - sum(ps) / len(ps), theta_g, *finals)
+    return [np.asarray(x) for x in jax.tree.leaves(jax.tree.map(lambda g, d: g - 1.0 * d, theta_g, outer_grad))]
+
+
+def _fresh_rows(config: Config, global_leaves: list) -> dict:
+    model = Transformer(config.model, key=jax.random.key(0))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    theta_g = jax.tree.unflatten(jax.tree.structure(params), [jnp.asarray(x) for x in global_leaves])
+    opt = inner_optimizer(config.train, model.weight_decay_mask())
+    with jax.numpy_dtype_promotion("standard"):
+        fresh = opt.init(theta_g)
+    return {"params": global_leaves, "opt_state": [np.asarray(x) for x in jax.tree.leaves(fresh)]}
+
+
+def _assert_close(actual: list, expected: list, what: str) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6, err_msg=what)
+
+
+@pytest.mark.slow
+def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "3", "--max-restarts", "1",
+           "--rejoin-after-s", "0", "--log-dir", str(tmp_path / "logs"), "--", "--run-dir", str(run), *TRAIN_FLAGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _kill_when_past(run, 2, 2 * H + 2, proc)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "launcher: island 2 was killed by signal 9" in err and "rejoin at step" in err, err[-3000:]
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = {r["event"]: r for r in records if "event" in r}
+    lost, rejoined = events["island_lost"], events["island_rejoined"]
+    assert lost["island"] == rejoined["island"] == 2 and lost["live_replicas"] == 2
+    assert lost["resume_step"] % H == 0 and 0 <= lost["lost_steps"] <= H and lost["stalled_s"] > 0
+    S, B = lost["resume_step"], rejoined["resume_step"]
+    assert B >= S + H and B % H == 0
+
+    # The loss curve goes on: every step once, finite, with 2 live replicas between S and B.
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    assert {r["live_replicas"] for r in steps if S < r["step"] <= B} == {2}
+    assert {r["live_replicas"] for r in steps if r["step"] <= S or r["step"] > B} == {3}
+
+    config = tyro.cli(Config, args=["--run-dir", str(run), *TRAIN_FLAGS])
+    snaps = {i: IslandSnapshots(_island_dir(run, i)) for i in range(3)}
+
+    # Round S -> S + H ran on islands 0 and 1 only: theta_g moved by their mean outer gradient.
+    at_s = {i: snaps[i].load(S) for i in (0, 1)}
+    theta_s = at_s[0]["shared"]["global_params"]
+    expected = _reference_round(config, {i: at_s[i]["own"] for i in (0, 1)}, theta_s, [0, 1], S)
+    got = snaps[0].load(S + H)["shared"]["global_params"]
+    _assert_close(got, expected, f"theta_g after the 2-island round {S}->{S + H}")
+    with_island_2 = _reference_round(config, {**{i: at_s[i]["own"] for i in (0, 1)}, 2: snaps[2].load(S)["own"]},
+                                     theta_s, [0, 1, 2], S)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, with_island_2)) > 1e-4  # the test can tell
+
+    # Round B -> B + H: island 2 is back, starting from theta_g(B) with a fresh inner optimizer state.
+    at_b = {i: snaps[i].load(B) for i in (0, 1)}
+    theta_b = at_b[0]["shared"]["global_params"]
+    rows = {**{i: at_b[i]["own"] for i in (0, 1)}, 2: _fresh_rows(config, theta_b)}
+    expected = _reference_round(config, rows, theta_b, [0, 1, 2], B)
+    after = {i: snaps[i].load(B + H) for i in range(3)}
+    _assert_close(after[2]["shared"]["global_params"], expected, f"theta_g after the rejoin round {B}->{B + H}")
+    for i in (0, 1):  # every island holds the same theta_g, and (P = 1) its replica was reset to it
+        _assert_close(after[i]["shared"]["global_params"], after[2]["shared"]["global_params"], f"island {i}")
+    _assert_close(after[2]["own"]["params"], after[2]["shared"]["global_params"], "the rejoined replica")
