@@ -116,7 +116,8 @@ class ElasticLauncher:
         started = time.time()
         self.procs, self.tee = spawn(n, flags, module=self.module, prefix=self.prefix, logs=logs, env=env,
                                      log_mode="a")
-        self.events = []
+        self._unlogged, self.events = self.events, []  # logged by the generation once it trains
+        self._started = started
         asked_to_reform = False
         while True:
             if signals.received:
@@ -173,6 +174,8 @@ class ElasticLauncher:
             self._say(f"error: island {island} {how} at step {last_step}: {len(self.live)} live island(s) left, "
                       f"below --elastic.min-replicas {self.policy.min_replicas}; stopped")
             return 1
+        if not any(self._progress(i)[1] > self._started for i in islands):
+            self.events += self._unlogged  # that generation never trained, so never logged them
         self.events.append(event)
         plan = ""
         if self.restarts[island] < self.policy.max_restarts:
