@@ -233,13 +233,12 @@ def launch(
 
 
 def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth: str | None, log_dir: Path,
-                   grace_s: float, max_restarts: int, rejoin_after_s: float, drain_s: float) -> int:
+                   grace_s: float, max_restarts: int, rejoin_after_s: float, drain_s: float, min_replicas: int) -> int:
     """Run one island per process; a lost island re-forms the run with the others (see `_elastic_launch`)."""
     from ._elastic_launch import ElasticLauncher, ElasticPolicy
 
-    min_replicas = _flag_value(flags, "--elastic.min-replicas")
     policy = ElasticPolicy(max_restarts=max_restarts, rejoin_after_s=rejoin_after_s, drain_s=drain_s,
-                           min_replicas=int(min_replicas) if min_replicas and min_replicas.isdigit() else 1)
+                           min_replicas=min_replicas)
     run_dir = Path(_flag_value(flags, "--run-dir") or "runs/default")
     prefix: list[str] = []
     limit = None
@@ -455,11 +454,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-restarts needs --elastic.enabled among the trainer flags (islands rejoin from "
               "their snapshots)", file=sys.stderr)
         return 2
+    min_replicas = _flag_value(flags, "--elastic.min-replicas")
+    min_replicas = int(min_replicas) if min_replicas is not None and min_replicas.lstrip("-").isdigit() else 1
+    if elastic and min_replicas > args.num_processes:
+        print(f"error: --elastic.min-replicas must be <= the {args.num_processes} islands (got {min_replicas})",
+              file=sys.stderr)
+        return 2
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="eqx_diloco_launch_"))
     if elastic:
         code = launch_elastic(args.num_processes, flags, module=args.module, bandwidth=args.bandwidth,
                               log_dir=log_dir, grace_s=args.grace_s, max_restarts=args.max_restarts,
-                              rejoin_after_s=args.rejoin_after_s, drain_s=args.drain_s)
+                              rejoin_after_s=args.rejoin_after_s, drain_s=args.drain_s, min_replicas=min_replicas)
     else:
         code = launch(args.num_processes, flags, module=args.module, bandwidth=args.bandwidth, log_dir=log_dir,
                       grace_s=args.grace_s)

@@ -1,7 +1,8 @@
 """A stand-in for the trainer under `python -m eqx_diloco.launch --module launch_child`.
 
 Each process writes its pid to `$LAUNCH_CHILD_DIR/pid_<JAX_PROCESS_ID>` and then behaves as
-`$LAUNCH_CHILD_MODES` says for its process id (comma-separated, one mode per process):
+`$LAUNCH_CHILD_MODES` says for its process id (comma-separated, one mode per process; under the
+elastic launcher, one per island, and the pid file is named by the island):
 
 - `sleep`: sleep (default signal handling: SIGTERM/SIGHUP end it);
 - `ignore`: ignore SIGTERM and SIGHUP and sleep (only SIGKILL ends it);
@@ -19,6 +20,8 @@ from pathlib import Path
 
 pid_dir = Path(os.environ["LAUNCH_CHILD_DIR"])
 index = int(os.environ["JAX_PROCESS_ID"])
+if os.environ.get("EQX_DILOCO_ISLANDS"):
+    index = int(os.environ["EQX_DILOCO_ISLANDS"].split(",")[index])
 mode = os.environ["LAUNCH_CHILD_MODES"].split(",")[index]
 (pid_dir / f"pid_{index}.tmp").write_text(str(os.getpid()))
 (pid_dir / f"pid_{index}.tmp").rename(pid_dir / f"pid_{index}")

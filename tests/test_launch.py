@@ -122,3 +122,41 @@ def test_a_given_log_folder_is_kept_after_success(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert (tmp_path / "logs" / "process_1.log").exists()
+
+
+def test_elastic_stops_with_one_line_below_min_replicas_and_leaves_nothing_running(tmp_path):
+    proc, pid_dir = _start(tmp_path, ["sleep", "fail"], "--", "--elastic.enabled", "--elastic.min-replicas", "2",
+                           "--run-dir", str(tmp_path / "run"))
+    pids = _child_pids(proc, pid_dir, 2)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("launcher: error")]
+    assert len(lines) == 1 and "island 1 exited with code 3" in lines[0], err
+    assert "below --elastic.min-replicas 2" in lines[0]
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_elastic_run_fails_when_every_island_fails_alike(tmp_path):
+    """A refused flag or a divergence fails every island the same way: the run's failure, not a loss."""
+    proc, pid_dir = _start(tmp_path, ["fail", "fail", "fail"], "--max-restarts", "2", "--",
+                           "--elastic.enabled", "--run-dir", str(tmp_path / "run"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert "every island exited with code 3" in err and "re-forming" not in err, err
+
+
+def test_elastic_loss_reforms_with_the_others(tmp_path):
+    """Island 1 fails; the launcher starts a generation of islands 0 and 2 (their pid files are rewritten)."""
+    proc, pid_dir = _start(tmp_path, ["sleep", "fail", "sleep"], "--grace-s", "5", "--",
+                           "--elastic.enabled", "--run-dir", str(tmp_path / "run"))
+    first = _child_pids(proc, pid_dir, 3)
+    deadline = time.monotonic() + 60
+    while not all((pid_dir / f"pid_{i}").read_text() != str(first[i]) for i in (0, 2)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    second = [int((pid_dir / f"pid_{i}").read_text()) for i in (0, 2)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert "island 1 exited with code 3" in err and "re-forming with islands [0, 2]" in err, err
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert not any(_alive(pid) for pid in first + second)
