@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,25 @@ def write_config(run_dir: Path, config) -> None:
     (run_dir / "config.json").write_text(json.dumps(to_jsonable(config), indent=2) + "\n")
 
 
+def set_aside_earlier_run(run_dir: Path) -> list[Path]:
+    """Rename metrics.jsonl and config.json of an earlier run to `<name>.<n>` (first free n).
+
+    For a run that starts from step 0 in a folder that already holds another run's metrics
+    (its checkpoints are elsewhere or were deleted): that history is kept, not overwritten.
+    Returns the new paths.
+    """
+    moved = []
+    for name in ("metrics.jsonl", "config.json"):
+        path = run_dir / name
+        if path.exists() and path.stat().st_size > 0:
+            n = 1
+            while (run_dir / f"{name}.{n}").exists():
+                n += 1
+            path.rename(run_dir / f"{name}.{n}")
+            moved.append(run_dir / f"{name}.{n}")
+    return moved
+
+
 class MetricsLog:
     """Appends one JSON object per line to `<run_dir>/metrics.jsonl`.
 
@@ -65,6 +85,9 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.enabled:
+            if os.fstat(self._file.fileno()).st_nlink == 0:  # deleted under us: start the file again
+                self._file.close()
+                self._file = self.path.open("a")
             self._file.write(json.dumps(to_jsonable(record), allow_nan=False) + "\n")
             self._file.flush()
 

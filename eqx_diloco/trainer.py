@@ -34,7 +34,7 @@ from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
 from .diagnostics import router_drift
 from .mesh import make_meshes
-from .metrics import MetricsLog, ProgressDisplay, write_config
+from .metrics import MetricsLog, ProgressDisplay, set_aside_earlier_run, write_config
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
 from .replica_values import ReplicaGather, replicated_value
 from .resume import incompatibility
@@ -384,6 +384,13 @@ class Trainer:
             return {"finished": True, "step": start}
         config.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
+            # A fresh start in a folder holding another run (its checkpoints elsewhere or deleted)
+            # keeps that run's metrics and config beside the new ones.
+            kept = set_aside_earlier_run(config.run_dir) if start == 0 and not self.elastic_events else []
+            if kept and show:
+                print(f"{config.run_dir} held an earlier run but no checkpoint to resume in "
+                      f"{self.checkpointer.directory}: starting from step 0; its files were kept as "
+                      f"{', '.join(p.name for p in kept)}", flush=True)
             write_config(config.run_dir, config)
         log = MetricsLog(config.run_dir, resume_step=start, enabled=self.is_main)
         display = ProgressDisplay(t_cfg.steps, start, enabled=show)

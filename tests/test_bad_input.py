@@ -201,3 +201,27 @@ def test_metrics_write_null_for_non_finite_numbers(tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
     assert record == {"step": 1, "loss": None, "grad_norm": None, "per_replica": [1.5, None]}
     assert not math.isnan(record["per_replica"][0])
+
+
+def test_metrics_log_starts_the_file_again_when_it_is_deleted(tmp_path):
+    log = MetricsLog(tmp_path)
+    log.write({"step": 1})
+    (tmp_path / "metrics.jsonl").unlink()
+    log.write({"step": 2})
+    log.write({"step": 3})
+    log.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 3]
+
+
+def test_fresh_start_in_a_used_run_dir_keeps_the_earlier_runs_files(tmp_path):
+    from eqx_diloco.metrics import set_aside_earlier_run
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "config.json").write_text("{}\n")
+    assert [p.name for p in set_aside_earlier_run(tmp_path)] == ["metrics.jsonl.1", "config.json.1"]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
+    (tmp_path / "metrics.jsonl.2").write_text("taken\n")
+    assert [p.name for p in set_aside_earlier_run(tmp_path)] == ["metrics.jsonl.3"]
+    assert (tmp_path / "metrics.jsonl.1").read_text() == '{"step": 1}\n'
+    assert (tmp_path / "metrics.jsonl.3").read_text() == '{"step": 7}\n'
+    assert set_aside_earlier_run(tmp_path) == []  # nothing left to keep

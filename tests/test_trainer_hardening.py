@@ -271,3 +271,18 @@ def test_unraisablehook_drops_only_closed_event_loop_noise():
     hook(SimpleNamespace(exc_value=other))
     hook(SimpleNamespace(exc_value=ValueError("Event loop is closed")))
     assert seen[0] is other and isinstance(seen[1], ValueError)
+
+
+def test_rerun_with_checkpoints_elsewhere_keeps_the_first_runs_metrics(tmp_path, capsys):
+    """Another --checkpoint.dir finds no checkpoint: the run starts at 0 without overwriting
+    the earlier run's metrics.jsonl and config.json."""
+    run = tmp_path / "run"
+    base = [*TINY, "--run-dir", str(run), "--train.steps", "3", "--checkpoint.every", "0"]
+    assert main([*base, "--checkpoint.dir", str(tmp_path / "a")]) == 0
+    first = (run / "metrics.jsonl").read_text()
+    assert main([*base, "--checkpoint.dir", str(tmp_path / "b"), "--train.seed", "1"]) == 0
+    assert "held an earlier run but no checkpoint to resume" in capsys.readouterr().out
+    assert (run / "metrics.jsonl.1").read_text() == first
+    assert json.loads((run / "config.json.1").read_text())["checkpoint"]["dir"] == str(tmp_path / "a")
+    assert json.loads((run / "config.json").read_text())["train"]["seed"] == 1
+    assert max(r["step"] for r in read_metrics(run)) == 3
