@@ -286,3 +286,33 @@ def test_rerun_with_checkpoints_elsewhere_keeps_the_first_runs_metrics(tmp_path,
     assert json.loads((run / "config.json.1").read_text())["checkpoint"]["dir"] == str(tmp_path / "a")
     assert json.loads((run / "config.json").read_text())["train"]["seed"] == 1
     assert max(r["step"] for r in read_metrics(run)) == 3
+
+
+def _can_mount_tmpfs() -> bool:
+    try:
+        probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs a private mount namespace to make a small tmpfs")
+def test_disk_full_exits_promptly_with_one_line(tmp_path):
+    """The checkpoint folder is a 2.6 MB tmpfs (in a private mount namespace): two checkpoints
+    of this model (1.1 MB each) fit, the third does not (ENOSPC); --checkpoint.keep 3 deletes none."""
+    run, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    train = [sys.executable, "-m", "eqx_diloco.train", *TINY, "--run-dir", str(run), "--train.steps", "400",
+             "--checkpoint.every", "2", "--checkpoint.keep", "3", "--checkpoint.dir", str(checkpoints)]
+    script = f"mount -t tmpfs -o size=2600k tmpfs {checkpoints} && exec {' '.join(train)}"
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: saving checkpoint ") and "failed" in lines[0], proc.stderr
+    step = int(lines[0].split("checkpoint ")[1].split()[0])
+    assert 4 <= step <= 8  # promptly: the first save that did not fit, or the next
+    assert max(r["step"] for r in read_metrics(run)) <= step + 2
