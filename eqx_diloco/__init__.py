@@ -7,21 +7,20 @@ language models is one client of it: `Config`, `Trainer`, `train`.
 
 import importlib
 
-from . import quantize, schedule
-from ._diloco import DiLoCo, default_outer_optimizer
-from ._elastic import IslandSnapshots
-from ._errors import ConfigError, NonFiniteError
-from .checkpoint import CheckpointError, Checkpointer
-from .fragments import Fragmenter, layer_groups, stack_flags
-from .groups import FragmentGroup, LeafGroup, ParamGroup, make_groups
-from .mesh import build_meshes
-from .outer import OuterSync, mean_outer_gradient
-from .state import TrainState, build_state, state_shardings
-from .step import make_inner_step
-
-# The CLI trainer's layer imports the bundled models; the core above does not, so it is
-# loaded on first use (`eqx_diloco.Trainer`), and `import eqx_diloco` stays model-free.
-_CLI_LAYER = {
+# Everything loads on first use (`eqx_diloco.DiLoCo` imports JAX then), so `python -m
+# eqx_diloco.train` can check its flags and describe the run before JAX starts. The CLI layer
+# (Config, Trainer, train) also imports the bundled models; the core does not.
+_LAZY = {
+    **dict.fromkeys(["DiLoCo", "default_outer_optimizer"], "._diloco"),
+    "IslandSnapshots": "._elastic",
+    **dict.fromkeys(["ConfigError", "NonFiniteError"], "._errors"),
+    **dict.fromkeys(["CheckpointError", "Checkpointer"], ".checkpoint"),
+    **dict.fromkeys(["Fragmenter", "layer_groups", "stack_flags"], ".fragments"),
+    **dict.fromkeys(["FragmentGroup", "LeafGroup", "ParamGroup", "make_groups"], ".groups"),
+    "build_meshes": ".mesh",
+    **dict.fromkeys(["OuterSync", "mean_outer_gradient"], ".outer"),
+    **dict.fromkeys(["TrainState", "build_state", "state_shardings"], ".state"),
+    "make_inner_step": ".step",
     **dict.fromkeys(
         ["CheckpointConfig", "Config", "DataConfig", "DiLoCoConfig", "ElasticConfig", "MeshConfig", "TrainConfig",
          "validate"],
@@ -29,11 +28,14 @@ _CLI_LAYER = {
     ),
     **dict.fromkeys(["Trainer", "global_model", "train"], ".trainer"),
 }
+_SUBMODULES = ("quantize", "schedule")
 
 
 def __getattr__(name: str):
-    if name in _CLI_LAYER:
-        return getattr(importlib.import_module(_CLI_LAYER[name], __name__), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'eqx_diloco' has no attribute {name!r}")
 
 

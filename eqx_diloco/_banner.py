@@ -8,12 +8,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
-import jax
-
-from models import Transformer
-
-from .mesh import wants_comm_device
+from ._layout import wants_comm_device
 
 
 def _count(n: float) -> str:
@@ -35,12 +30,9 @@ def _quote(path: Path | str) -> str:
 
 
 def model_size(config) -> tuple[int, int]:
-    """(parameter count, bytes) of the model, from shapes alone (nothing is allocated or run)."""
-    abstract = eqx.filter_eval_shape(lambda: Transformer(config.model, key=jax.random.key(0)))
-    leaves = [x for x in jax.tree.leaves(abstract) if hasattr(x, "shape") and hasattr(x, "dtype")]
-    count = sum(math.prod(x.shape) for x in leaves)
-    nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
-    return count, nbytes
+    """(parameter count, bytes) of the model, from its config alone (float32 parameters)."""
+    count = config.model.num_params()
+    return count, 4 * count
 
 
 def algorithm_line(config) -> str:
@@ -56,19 +48,13 @@ def algorithm_line(config) -> str:
     return ", ".join(parts)
 
 
-def describe_setup(config) -> str:
-    """The resolved setup, several lines: algorithm, model size, devices and mesh, data, run
-    folder, checkpoints, compilation cache. Call after the devices are set up (it lists them)."""
+def setup_lines(config) -> list[str]:
+    """What the flags alone say about the run (no JAX needed): algorithm, model size, mesh, data,
+    run folder, checkpoints. Printed within a second of starting."""
     d, t, m = config.diloco, config.train, config.model
     count, nbytes = model_size(config)
     kind = "mixture-of-experts" if m.kind == "moe" else "dense"
-    devices = jax.devices()
-    platform = devices[0].platform if devices else "none"
-    comm = wants_comm_device(config) and (d.comm_device == "on" or jax.default_backend() == "cpu")
-    mesh = f"mesh diloco={d.num_replicas} x data={config.mesh.data}"
-    if comm:
-        mesh += f" (+{d.num_replicas} communication devices for overlapped syncs)"
-    procs = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    mesh = f"diloco={d.num_replicas} x data={config.mesh.data}"
     tokens_per_step = d.num_replicas * t.batch_size * t.seq_len
     data = {"corpus": "embedded corpus (stdlib source, bytes)", "synthetic": "synthetic pattern"}.get(
         config.data.source, f"{config.data.source} {config.data.path}")
@@ -77,20 +63,37 @@ def describe_setup(config) -> str:
         checkpoints = f"every {ck.every} steps in {ck.dir or Path(config.run_dir) / 'checkpoints'} (reruns resume)"
     else:
         checkpoints = "off (--checkpoint.every 0)"
-    cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None
-    cache = f"cached in {cache_dir}" if cache_dir else "persistent cache off"
-    lines = [
+    return [
         f"eqx_diloco: {algorithm_line(config)}",
         f"  model        {kind}, {m.num_layers} layers, width {m.dim}, vocab {m.vocab_size}: "
         f"{_count(count)} parameters ({format_bytes(nbytes)})",
-        f"  devices      {len(devices)} x {platform}{procs}; {mesh}",
+        f"  mesh         {mesh}",
         f"  data         {data}; {d.num_replicas} x {t.batch_size} sequences x {t.seq_len} tokens "
         f"= {tokens_per_step:,} tokens/step, {t.steps} steps",
         f"  run dir      {config.run_dir} (metrics.jsonl, config.json, TensorBoard events)",
         f"  checkpoints  {checkpoints}",
-        f"  compilation  {cache}",
     ]
-    return "\n".join(lines)
+
+
+def runtime_lines(config) -> list[str]:
+    """What JAX says once it has started: the devices (and communication devices), the
+    processes and the compilation cache. Call after the devices are set up."""
+    import jax
+
+    d = config.diloco
+    devices = jax.devices()
+    platform = devices[0].platform if devices else "none"
+    comm = wants_comm_device(config) and (d.comm_device == "on" or jax.default_backend() == "cpu")
+    extra = f" (+{d.num_replicas} communication devices for overlapped syncs)" if comm else ""
+    procs = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None
+    cache = f"cached in {cache_dir}" if cache_dir else "persistent cache off"
+    return [f"  devices      {len(devices)} x {platform}{procs}{extra}", f"  compilation  {cache}"]
+
+
+def describe_setup(config) -> str:
+    """The resolved setup: `setup_lines` then `runtime_lines` (the CLI prints them as they are known)."""
+    return "\n".join(setup_lines(config) + runtime_lines(config))
 
 
 def finished_message(config, step: int) -> str:

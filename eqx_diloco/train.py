@@ -15,10 +15,12 @@ import threading
 
 import tyro
 
-from ._cache import enable_compilation_cache
+from ._layout import devices_needed, process_layout
 from ._preflight import RunDirLock, check_memory, check_writable
 from .config import Config, ConfigError, validate
-from .mesh import devices_needed, process_layout, setup_devices
+
+# Nothing above imports JAX: the flags are checked and the setup is printed within a second of
+# starting; JAX (seconds to import) comes after.
 
 
 # Set when a checkpoint save failed: orbax's threads of that save may never finish, so the
@@ -53,12 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         check_writable(config)
         # One trainer per run folder; in a multi-process run, process 0 holds the lock for all.
         with RunDirLock(config.run_dir) if process_id == 0 else contextlib.nullcontext():
+            if process_id == 0:
+                from ._banner import runtime_lines, setup_lines
+
+                print("\n".join(setup_lines(config)), flush=True)
+            from ._cache import enable_compilation_cache
+            from .mesh import setup_devices
+
             setup_devices(config)
             enable_compilation_cache(config)  # before the first compile
             if process_id == 0:
-                from ._banner import describe_setup
-
-                print(describe_setup(config), flush=True)
+                print("\n".join(runtime_lines(config)), flush=True)
             from .trainer import (  # after the device count is set
                 REFORM_EXIT_CODE, CheckpointSaveError, NonFiniteError, Reforming, TrainingStopped, train)
 

@@ -1,6 +1,20 @@
-"""Equinox language models whose repeated blocks live in one stacked module."""
+"""Equinox language models whose repeated blocks live in one stacked module.
 
-from ._norm import RMSNorm
-from .transformer import Attention, Block, MLP, Transformer, TransformerConfig
+`TransformerConfig` is plain Python; the modules load on first use, so reading a config (the
+CLI does, before it starts JAX) does not import JAX.
+"""
+
+import importlib
+
+from ._config import TransformerConfig
+
+_LAZY = {"RMSNorm": "._norm", **dict.fromkeys(["Attention", "Block", "MLP", "Transformer"], ".transformer")}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")
+
 
 __all__ = ["Attention", "Block", "MLP", "RMSNorm", "Transformer", "TransformerConfig"]

@@ -36,3 +36,16 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.num_heads
+
+    def num_params(self) -> int:
+        """Parameters of `Transformer(self)`, from the shapes alone (all float32; equal to the
+        model's array count, tested), so a size can be stated without building anything."""
+        d, hidden = self.dim, self.mlp_ratio * self.dim
+        attention = d * 3 * d + d * d
+        if self.kind == "moe":
+            ffn = d * self.num_experts + 2 * self.num_experts * d * hidden
+        else:
+            ffn = 2 * d * hidden
+        block = 2 * d + attention + ffn  # two RMSNorm weights
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * block + d + head

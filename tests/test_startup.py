@@ -30,11 +30,24 @@ TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2"
         "--diloco.sync-period", "2", "--train.warmup-steps", "1"]
 
 
-def test_model_size_counts_every_parameter():
-    config = Config(model=TransformerConfig(num_layers=3, dim=64, num_heads=4))
-    model = Transformer(config.model, key=jax.random.key(1))
-    arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+@pytest.mark.parametrize("model", [
+    TransformerConfig(num_layers=3, dim=64, num_heads=4),
+    TransformerConfig(num_layers=2, dim=32, num_heads=2, mlp_ratio=3, vocab_size=300, tie_embeddings=True),
+    TransformerConfig(num_layers=2, dim=32, num_heads=2, kind="moe", num_experts=3, top_k=1),
+], ids=["dense", "tied", "moe"])
+def test_model_size_counts_every_parameter(model):
+    """The size the banner states from the config alone equals the built model's arrays."""
+    config = Config(model=model)
+    arrays = jax.tree.leaves(eqx.filter(Transformer(model, key=jax.random.key(1)), eqx.is_array))
     assert model_size(config) == (sum(a.size for a in arrays), sum(a.nbytes for a in arrays))
+
+
+def test_the_cli_and_the_package_import_without_jax():
+    """So the setup is printed before JAX's import (seconds) starts."""
+    code = ("import sys, eqx_diloco, eqx_diloco.train, eqx_diloco._banner, models; "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_describe_setup_names_the_run():
@@ -44,7 +57,7 @@ def test_describe_setup_names_the_run():
     assert text.splitlines()[0] == ("eqx_diloco: Streaming DiLoCo, R=2 replicas, H=20, P=4 fragments, tau=1, "
                                    "quantize int4")
     assert f"{count / 1e6:.2f}M parameters" in text and "6 layers, width 128" in text
-    assert "mesh diloco=2 x data=1 (+2 communication devices" in text
+    assert "mesh         diloco=2 x data=1" in text and "(+2 communication devices" in text
     assert "2 x 8 sequences x 128 tokens = 2,048 tokens/step, 200 steps" in text
     assert "run dir      r/x" in text and "every 100 steps in r/x/checkpoints" in text
     assert "eqx_diloco: DDP" in describe_setup(Config(algorithm="ddp"))
