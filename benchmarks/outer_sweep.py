@@ -660,6 +660,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=None,
                         help="sequences per replica per step (tokens = batch x seq len) of the R = 2 cells, every "
                              "sub-study; given with no value: no R = 2 cells (only the R = 1 rows)")
+    parser.add_argument("--r1-batch-sizes", type=int, nargs="*", default=None,
+                        help="batches of the R = 1 rows (plain training and DiLoCo R = 1), every sub-study; given "
+                             "with no value: no R = 1 rows (they can be added later into the same --out)")
     parser.add_argument("--sync-periods", type=int, nargs="+", default=None, help="H values, every sub-study")
     parser.add_argument("--outer", type=parse_outer, nargs="+", default=None, metavar="LR:MOMENTUM[:plain]",
                         help="outer settings in priority order (Nesterov unless ':plain'), every sub-study")
@@ -675,6 +678,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return result
     overrides = {"steps": args.steps, "split": args.split,
                  "batch_sizes": tuple(args.batch_sizes) if args.batch_sizes is not None else None,
+                 "r1_batch_sizes": tuple(args.r1_batch_sizes) if args.r1_batch_sizes is not None else None,
                  "sync_periods": tuple(args.sync_periods) if args.sync_periods else None,
                  "outers": tuple(args.outer) if args.outer else None}
     overrides = {k: v for k, v in overrides.items() if v is not None}
