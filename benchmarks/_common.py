@@ -20,6 +20,14 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+REPO = RESULTS_DIR.parents[1]
+
+
+def default_out_dir(name: str, mode: str) -> pathlib.Path:
+    """Where a benchmark writes when no output folder is given: `runs/benchmarks/<name>_<mode>`
+    (not committed). Committed results under `benchmarks/results` are only written when a
+    script is given that folder explicitly (`--out-dir benchmarks/results`)."""
+    return REPO / "runs" / "benchmarks" / f"{name}_{mode}"
 
 
 def setup_jax(num_devices: int, *, compile_cache: str | os.PathLike | None = None) -> None:

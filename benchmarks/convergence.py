@@ -30,6 +30,10 @@ Modes:
   (P x tau x alpha, plus int4); roughly an hour or more on 2 CPU cores.
 - `--smoke`: microscopic, for tests only (numbers are meaningless).
 
+Output in `--out-dir` (default `runs/benchmarks/convergence_<mode>`; the committed results
+under `benchmarks/results` are written only when `--out-dir benchmarks/results` is given):
+`convergence.json` (or `--json PATH`), `convergence.md` and two PNG plots.
+
 Run `python -m benchmarks.convergence --help`.
 """
 
@@ -265,7 +269,7 @@ def run(mode: str = "quick", *, seeds: Sequence[int] = (0,), only: str | None = 
     specs = suite(scale, "smoke" if mode == "smoke" else mode)
     if only:
         specs = [s for s in specs if only in s.name]
-    out_dir = pathlib.Path(out_dir or common.RESULTS_DIR)
+    out_dir = pathlib.Path(out_dir or common.default_out_dir("convergence", mode))
     start = time.perf_counter()
     with common.TemporaryRunDirs(keep_runs) as runs_dir:
         rows = run_suite(specs, scale, seeds=seeds, runs_dir=runs_dir, log=log)
@@ -310,8 +314,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--outer-lr", type=float, default=None, help="override the outer SGD learning rate (0.7)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="override the outer momentum (0.9)")
     parser.add_argument("--only", default=None, help="run only specs whose name contains this text")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS_DIR,
-                        help="where the markdown and PNG plots go")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=None,
+                        help="where the JSON, markdown and PNG plots go (default runs/benchmarks/convergence_<mode>; "
+                             "committed results under benchmarks/results only when given explicitly)")
     parser.add_argument("--json", type=pathlib.Path, default=None,
                         help="JSON output (default: <out-dir>/convergence.json)")
     parser.add_argument("--keep-runs", type=pathlib.Path, default=None,
@@ -322,9 +327,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="do not share compiled programs between runs through a temporary persistent cache")
     args = parser.parse_args(argv)
+    mode = args.mode or "quick"
+    args.out_dir = args.out_dir or common.default_out_dir("convergence", mode)
     if args.replot is not None:
         return replot(args.replot, args.out_dir)
-    mode = args.mode or "quick"
     scale = SCALES[mode]
     with tempfile.TemporaryDirectory(prefix="eqx_diloco_jaxcache_") as cache:
         common.setup_jax(devices_for(suite(scale, "smoke" if mode == "smoke" else mode)),

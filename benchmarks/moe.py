@@ -1,6 +1,6 @@
 """MoE vs dense DiLoCo at equal steps, and how far replicas' routers drift with and without router sync.
 
-    python -m benchmarks.moe --quick --json benchmarks/results/moe.json
+    python -m benchmarks.moe --quick --out-dir benchmarks/results
 
 Three runs on the embedded corpus with the same seed, steps and replicas: a dense model,
 an MoE model (4 experts, top-2) whose routers sync with their fragment every H steps, and
@@ -8,6 +8,10 @@ the same MoE model with `--diloco.router-sync-period K`. Reported: final eval lo
 the global model, the mean router drift (cosine distance between replicas' router weights,
 measured just before each sync at an H boundary, i.e. after the replicas trained apart),
 the mean expert balance (normalized usage entropy, 1 = balanced) and the bytes sent.
+
+Output in `--out-dir` (default `runs/benchmarks/moe_<quick|full>`; the committed results under
+`benchmarks/results` are written only when `--out-dir benchmarks/results` is given):
+`moe.json` (or `--json PATH`) and a markdown table beside the JSON.
 """
 
 import argparse
@@ -17,8 +21,8 @@ import sys
 from pathlib import Path
 
 from benchmarks._common import (
-    RESULTS_DIR,
     TemporaryRunDirs,
+    default_out_dir,
     machine_info,
     markdown_table,
     read_metrics,
@@ -58,8 +62,13 @@ def configs(quick: bool, run_root: Path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="200 steps per run (a few minutes on 2 cores)")
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "moe.json")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="output folder (default runs/benchmarks/moe_<quick|full>; committed results under "
+                             "benchmarks/results only when given explicitly)")
+    parser.add_argument("--json", type=Path, default=None, help="JSON output (default <out-dir>/moe.json)")
     args = parser.parse_args(argv)
+    out_dir = args.out_dir or default_out_dir("moe", "quick" if args.quick else "full")
+    args.json = args.json or out_dir / "moe.json"
     setup_jax(2)
     rows = []
     with TemporaryRunDirs() as root:

@@ -21,6 +21,10 @@ that is what it takes to resolve a 1% target at this scale.
 Modes: `--quick` (default; the convergence benchmark's quick model, 500 steps, about
 4-5 minutes on 2 idle CPU cores), `--full` (its full model, 1000 steps), `--smoke` (tests).
 
+Output in `--out-dir` (default `runs/benchmarks/quantization_<mode>`; the committed results
+under `benchmarks/results` are written only when `--out-dir benchmarks/results` is given):
+`quantization.json` (or `--json PATH`) and `quantization.md`.
+
 Run `python -m benchmarks.quantization --help`.
 """
 
@@ -82,7 +86,7 @@ def run(mode: str = "quick", *, formats=None, sync_period: int | None = None, fr
                       overlap=overlap)
     if specs[0].quantize != "none":
         raise ValueError("the first format must be float32 ('none'), the reference")
-    out_dir = pathlib.Path(out_dir or common.RESULTS_DIR)
+    out_dir = pathlib.Path(out_dir or common.default_out_dir("quantization", mode))
     start = time.perf_counter()
     noise_seeds = [s for s in noise_seeds if s not in seeds]
     jobs = [(spec, sd, False) for sd in seeds for spec in specs] + [(specs[0], sd, True) for sd in noise_seeds]
@@ -211,13 +215,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--noise-seeds", type=int, nargs="*", default=[1],
                         help="extra float32 runs with these seeds (the seed-to-seed noise floor)")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS_DIR)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=None,
+                        help="output folder (default runs/benchmarks/quantization_<mode>; committed results under "
+                             "benchmarks/results only when given explicitly)")
     parser.add_argument("--json", type=pathlib.Path, default=None,
                         help="JSON output (default: <out-dir>/quantization.json)")
     parser.add_argument("--keep-runs", type=pathlib.Path, default=None)
     parser.add_argument("--no-compile-cache", action="store_true")
     args = parser.parse_args(argv)
     mode = args.mode or "quick"
+    args.out_dir = args.out_dir or common.default_out_dir("quantization", mode)
     formats = None
     if args.formats:
         known = {f"{fmt}{'+ef' if ef else ''}": (fmt, ef) for fmt, ef in FORMATS}

@@ -33,6 +33,11 @@
     the step timings; the higher one is used).
 
 Run `python -m benchmarks.throughput --help`. About 3-5 minutes on 2 idle CPU cores.
+
+Output in `--out-dir` (default `runs/benchmarks/throughput_default`, or `throughput_smoke`
+with `--smoke`; the committed results under `benchmarks/results` are written only when
+`--out-dir benchmarks/results` is given): `throughput.json` (or `--json PATH`) and
+`throughput.md`.
 """
 
 from __future__ import annotations
@@ -427,7 +432,7 @@ def run(settings: Settings = Settings(), *, out_dir: pathlib.Path | None = None,
     """All three measurements; writes JSON and markdown. Expects >= 2 CPU devices set up for R = 2."""
     log = log or (lambda msg: print(msg, flush=True))
     start = time.perf_counter()
-    out_dir = pathlib.Path(out_dir or common.RESULTS_DIR)
+    out_dir = pathlib.Path(out_dir or common.default_out_dir("throughput", "smoke" if settings == SMOKE else "default"))
     with common.TemporaryRunDirs() as runs_dir:
         log("peak matmul ...")
         peak_before = measure_matmul_peak(settings.matmul_sizes, settings.matmul_reps)
@@ -472,11 +477,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps-per-round", type=int, default=None)
     parser.add_argument("--compile-layers", type=int, nargs="*", default=None)
     parser.add_argument("--no-r2", action="store_true", help="skip the R = 2 inner step")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=common.RESULTS_DIR)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=None,
+                        help="output folder (default runs/benchmarks/throughput_default, --smoke: throughput_smoke; "
+                             "committed results under benchmarks/results only when given explicitly)")
     parser.add_argument("--json", type=pathlib.Path, default=None,
                         help="JSON output (default: <out-dir>/throughput.json)")
     args = parser.parse_args(argv)
     settings = SMOKE if args.smoke else Settings()
+    args.out_dir = args.out_dir or common.default_out_dir("throughput", "smoke" if args.smoke else "default")
     overrides = {k: v for k, v in (("rounds", args.rounds), ("steps_per_round", args.steps_per_round)) if v}
     if args.compile_layers is not None:
         overrides["compile_layers"] = tuple(args.compile_layers)

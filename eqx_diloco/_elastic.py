@@ -165,6 +165,8 @@ def reform_state(
     mine = snapshots.load(step) if step in snapshots.steps() else None
     template = {name: [np.zeros(x.shape, x.dtype) for x in _leaves(getattr(abstract, name))]
                 for name in SHARED_FIELDS}
+    if mine is not None:
+        _check_shapes(mine, template, abstract, snapshots.directory)
     is_source = jax.process_index() == source
     shared = mine["shared"] if is_source else template
     shared = multihost_utils.broadcast_one_to_all(shared, is_source=is_source)
@@ -184,14 +186,25 @@ def reform_state(
             else:
                 row = np.asarray(own[name][i])
                 placed.append(jax.make_array_from_callback(
-                    leaf.shape, sharding, lambda index, r=row: _row_for(index, r, replica)))
+                    leaf.shape, sharding, lambda index, r=row, n=leaf.shape[0]: _row_for(index, r, replica, n)))
         fields[name] = jax.tree.unflatten(treedef, placed) if value is not None else None
     return TrainState(**fields, mail_own=None)
 
 
-def _row_for(index: tuple, row: np.ndarray, replica: int) -> np.ndarray:
-    rows = index[0]
-    start, stop = rows.start or 0, rows.stop
+def _check_shapes(payload: dict, template: dict, abstract: TrainState, where: Path) -> None:
+    """Refuse a snapshot written by a run of another shape (every island checks its own)."""
+    expected = {**{name: [(x.shape, x.dtype) for x in leaves] for name, leaves in template.items()},
+                **{name: [(x.shape[1:], x.dtype) for x in _leaves(getattr(abstract, name))] for name in REPLICA_FIELDS}}
+    found = {**{name: [(np.shape(x), np.asarray(x).dtype) for x in leaves] for name, leaves in payload["shared"].items()},
+             **{name: [(np.shape(x), np.asarray(x).dtype) for x in leaves] for name, leaves in payload["own"].items()}}
+    if found != expected:
+        raise ConfigError(
+            f"the island snapshots in {where} were written by a run of another shape (model, fragments, "
+            f"quantization or optimizer changed): use a new --run-dir, or the flags of that run")
+
+
+def _row_for(index: tuple, row: np.ndarray, replica: int, num_rows: int) -> np.ndarray:
+    start, stop, _ = index[0].indices(num_rows)
     if (start, stop) != (replica, replica + 1):
         raise RuntimeError(f"elastic islands need one replica per process (this process holds rows {start}:{stop})")
     return row[None][(slice(None), *index[1:])]

@@ -166,3 +166,28 @@ def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
     for i in (0, 1):  # every island holds the same theta_g, and (P = 1) its replica was reset to it
         _assert_close(after[i]["shared"]["global_params"], after[2]["shared"]["global_params"], f"island {i}")
     _assert_close(after[2]["own"]["params"], after[2]["shared"]["global_params"], "the rejoined replica")
+
+
+@pytest.mark.slow  # about 1-1.5 min on a loaded 2-core machine: 3 islands, one SIGKILLed, re-formed and rejoined
+def test_elastic_benchmark_smoke(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.elastic", "--smoke", "--out-dir", str(tmp_path / "out"),
+           "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "out" / "elastic.json").read_text())
+    assert proc.returncode == 0 and result["passed"], (proc.stdout[-3000:], proc.stderr[-3000:])
+    s = result["summary"]
+    assert s["kills_tried"] == s["kills_survived"] == s["kills_planned"] == 1
+    assert s["run_finished"] and s["all_steps_logged"] and s["unexpected_losses"] == 0
+    bound = s["lost_steps"]["bound"]
+    assert bound == result["settings"]["sync_period"] == 6
+    assert len(s["lost_steps"]["values"]) == 1 and 0 <= s["lost_steps"]["max"] <= bound
+    (kill,) = result["kills"]
+    assert kill["survived"] and kill["continued_with_2"] and kill["continued_with_3"]
+    assert kill["lost_event"]["island"] == kill["rejoin_event"]["island"] == kill["island"]
+    assert kill["lost_steps"] == kill["lost_event"]["lost_steps"] <= bound
+    assert kill["stalled_lost_s"] > 0 and kill["stalled_rejoin_s"] > 0
+    assert kill["stalled_s"] == pytest.approx(kill["stalled_lost_s"] + kill["stalled_rejoin_s"])
+    assert kill["resume_step"] % 2 == 1  # H / P = 2, tau = 1: sync boundaries after odd steps
+    assert isinstance(kill["sync_in_flight"], bool) and isinstance(kill["checkpoint_write"], bool)
+    assert s["eval"]["elastic"] is not None and np.isfinite(s["eval"]["elastic"])
+    assert "kills survived / tried: 1 / 1" in (tmp_path / "out" / "elastic.md").read_text()

@@ -1,0 +1,95 @@
+"""Island snapshots through the public core (one process, one island): a run re-formed from the
+snapshot of a sync boundary continues exactly like the run that wrote it; snapshots of another
+shape are refused with one line; a write is atomic and old snapshots are pruned."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from custom_model import StackedMLP, loss_fn, make_batch
+from eqx_diloco import ConfigError, DiLoCo, IslandSnapshots
+
+
+def _core(**overrides) -> DiLoCo:
+    kwargs = dict(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=1, sync_period=6, num_fragments=3,
+                  overlap_steps=1, alpha=0.5, quantize="int4", error_feedback=True,
+                  inner_optimizer=optax.adam(1e-2), outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    return DiLoCo(**{**kwargs, **overrides})
+
+
+def _leaves(state) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_reformed_run_continues_exactly_like_the_run_that_wrote_the_snapshot(tmp_path):
+    snapshots = IslandSnapshots(tmp_path / "island-0", keep=100)
+    diloco = _core()
+    model = StackedMLP(key=jax.random.key(0))
+    state = diloco.init(model)
+    boundaries = []
+    for step in range(13):
+        state, metrics = diloco.step(state, make_batch(step, 1))
+        if (metrics["synced_fragment"] is not None or metrics["applied_fragment"] is not None) and diloco.settled:
+            snapshots.write(diloco.island_snapshot(state, island=0))
+            boundaries.append(step + 1)
+    snapshots.wait()
+    assert snapshots.steps() == boundaries and boundaries  # merges (tau = 1) leave nothing in flight
+    S = boundaries[-1]
+
+    # The original run, from S on, against a fresh core re-formed from the snapshot of S.
+    original = _core()
+    state = original.init(model)
+    for step in range(S):
+        state, _ = original.step(state, make_batch(step, 1))
+    reformed_core = _core()
+    reformed_core.abstract(model)
+    reformed = reformed_core.reform(snapshots, island=0, key=jax.random.key(9))
+    assert int(reformed.step) == S
+    for a, b in zip(_leaves(state), _leaves(reformed)):
+        np.testing.assert_array_equal(a, b)
+    for step in range(S, S + 6):
+        state, _ = original.step(state, make_batch(step, 1))
+        reformed, _ = reformed_core.step(reformed, make_batch(step, 1))
+    for a, b in zip(_leaves(original.global_params(state)), _leaves(reformed_core.global_params(reformed))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_snapshot_needs_a_sync_boundary_and_reform_needs_snapshots(tmp_path):
+    diloco = _core(num_fragments=1, overlap_steps=0, alpha=0.0, quantize="none", error_feedback=False)
+    model = StackedMLP(key=jax.random.key(0))
+    assert diloco.abstract(model) is not None
+    assert diloco.reform(IslandSnapshots(tmp_path / "none"), island=0, key=jax.random.key(0)) is None
+    streaming = _core()
+    state = streaming.init(model)
+    for step in range(12):  # until a sync is in flight (tau = 1: launched at one step, merged at the next)
+        state, metrics = streaming.step(state, make_batch(step, 1))
+        if not streaming.settled:
+            break
+    assert not streaming.settled
+    with pytest.raises(ValueError, match="sync boundary"):
+        streaming.island_snapshot(state, island=0)
+
+
+def test_snapshots_of_another_shape_are_refused(tmp_path):
+    snapshots = IslandSnapshots(tmp_path / "island-0")
+    diloco = _core(num_fragments=1, overlap_steps=0, alpha=0.0, quantize="none", error_feedback=False, sync_period=2)
+    model = StackedMLP(key=jax.random.key(0))
+    state = diloco.init(model)
+    for step in range(2):
+        state, _ = diloco.step(state, make_batch(step, 1))
+    snapshots.write(diloco.island_snapshot(state, island=0), wait=True)
+    other = _core(num_fragments=1, overlap_steps=0, alpha=0.0, quantize="int8", error_feedback=True, sync_period=2)
+    other.abstract(model)
+    with pytest.raises(ConfigError, match="written by a run of another shape"):
+        other.reform(snapshots, island=0, key=jax.random.key(0))
+
+
+def test_writes_are_atomic_and_old_snapshots_pruned(tmp_path):
+    snapshots = IslandSnapshots(tmp_path / "island-3", keep=2)
+    for step in (4, 8, 12):
+        snapshots.write({"step": step, "island": 3, "shared": {}, "own": {}})
+    snapshots.wait()
+    assert snapshots.steps() == [8, 12] and snapshots.load(12)["step"] == 12
+    (tmp_path / "island-3" / "16.snapshot.tmp").write_bytes(b"torn")  # a write a kill interrupted
+    assert snapshots.newest() == 12
