@@ -12,6 +12,12 @@ hangs. Ctrl-C is forwarded as SIGINT, SIGTERM and SIGHUP as SIGTERM; whatever st
 `--grace-s` seconds later is killed, and the processes die with the launcher if it is killed
 outright. A default (temporary) log folder is removed when the run succeeds, and named otherwise.
 
+With `--elastic.enabled` among the trainer flags (one process per island), a lost island does not
+stop the run: the others are re-formed into a run of their own from their newest sync boundary,
+and with `--max-restarts` the island rejoins later (see `_elastic_launch`):
+
+    python -m eqx_diloco.launch --num-processes 3 --max-restarts 2 -- --elastic.enabled
+
 With `--bandwidth`, all processes run inside a fresh network namespace whose loopback is
 rate-limited with a token bucket (`tc qdisc ... tbf`), so they talk over a slow link.
 That needs root (to create the namespace); without it the launcher says so and stops.
