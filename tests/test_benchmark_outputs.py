@@ -1,0 +1,121 @@
+"""The benchmarks' output convention (issue 12): without an explicit output folder a script
+writes under runs/benchmarks/<name>_<mode>, never into the committed benchmarks/results;
+and benchmarks/peak_bandwidth.py (metrics.jsonl reading, report, a --smoke run)."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import _common, convergence, moe, peak_bandwidth, quantization, throughput  # noqa: E402
+
+RESULTS = (REPO / "benchmarks" / "results").resolve()
+
+
+def _capture_run(monkeypatch, module):
+    """Replace `module.run` (and the JAX set-up) by a recorder of the output folder it is given."""
+    seen = {}
+
+    def fake_run(*args, out_dir=None, json_path=None, **kw):
+        seen["out_dir"], seen["json_path"] = pathlib.Path(out_dir), json_path
+        return {"markdown": "", "total_elapsed_s": 0.0}
+
+    monkeypatch.setattr(module, "run", fake_run)
+    monkeypatch.setattr(_common, "setup_jax", lambda *a, **k: None)
+    return seen
+
+
+@pytest.mark.parametrize("module, name, argv, mode", [
+    (convergence, "convergence", [], "quick"),
+    (convergence, "convergence", ["--smoke"], "smoke"),
+    (quantization, "quantization", ["--full"], "full"),
+    (throughput, "throughput", [], "default"),
+    (throughput, "throughput", ["--smoke"], "smoke"),
+])
+def test_default_output_is_not_the_committed_results(monkeypatch, module, name, argv, mode):
+    seen = _capture_run(monkeypatch, module)
+    module.main(argv)
+    assert seen["out_dir"] == _common.default_out_dir(name, mode) == REPO / "runs" / "benchmarks" / f"{name}_{mode}"
+    assert RESULTS not in seen["out_dir"].resolve().parents and seen["out_dir"].resolve() != RESULTS
+    assert seen["json_path"] is None  # <out-dir>/<name>.json
+
+
+@pytest.mark.parametrize("module", [convergence, quantization, throughput])
+def test_committed_results_only_when_asked(monkeypatch, module, tmp_path):
+    seen = _capture_run(monkeypatch, module)
+    module.main(["--out-dir", str(tmp_path)])
+    assert seen["out_dir"] == tmp_path
+
+
+def test_moe_default_output(monkeypatch, tmp_path):
+    written = []
+    monkeypatch.setattr(moe, "setup_jax", lambda *a, **k: None)
+    monkeypatch.setattr(moe, "configs", lambda quick, root: {})
+    monkeypatch.setattr(moe, "machine_info", lambda: {})
+    monkeypatch.setattr(moe, "write_json", lambda path, obj: written.append(pathlib.Path(path)))
+    monkeypatch.setattr(moe, "write_text", lambda path, text: written.append(pathlib.Path(path)))
+    moe.main(["--quick"])
+    assert written == [_common.default_out_dir("moe", "quick") / "moe.json", _common.default_out_dir("moe", "quick") / "moe.md"]
+    written.clear()
+    moe.main(["--out-dir", str(tmp_path)])
+    assert written == [tmp_path / "moe.json", tmp_path / "moe.md"]
+
+
+# -- peak_bandwidth ------------------------------------------------------------------------
+
+
+def _fake_run(run_dir: pathlib.Path, *, loss: float, peak: int, steps: int = 20):
+    run_dir.mkdir(parents=True)
+    lines = [{"step": 0, "eval_loss": 5.0}]
+    for t in range(10, steps + 1, 10):
+        lines.append({"step": t, "loss": 3.0, "sent_bytes": 100 * t, "wire_bytes": 100 * t, "peak_sync_bytes": peak})
+    lines.append({"step": steps, "eval_loss": loss})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_peak_bandwidth_reads_metrics_and_reports(tmp_path):
+    records = []
+    for seed, (a, b) in enumerate([(2.0, 2.02), (2.1, 2.1)]):
+        for name, loss, peak in (("default", a, 4000), ("fragments4", b, 1000)):
+            _fake_run(tmp_path / f"{name}_s{seed}", loss=loss, peak=peak)
+            rec = peak_bandwidth.read_run(tmp_path / f"{name}_s{seed}", 20)
+            records.append({"name": name, "seed": seed, "command": name, "final_sync_line": None,
+                            "sent_summary_line": None, "elapsed_s": 1.0, **rec})
+    assert records[0] == {**records[0], "eval_loss": 2.0, "sent_bytes": 2000, "wire_bytes": 2000,
+                          "peak_sync_bytes": 4000}
+    result = peak_bandwidth.build_result(records, "full", 20, (0, 1), [], "cmd")
+    default, frag = result["rows"]
+    assert default["command"] == "python -m eqx_diloco.train"
+    assert frag["command"] == "python -m eqx_diloco.train --diloco.num-fragments 4"
+    assert frag["peak_vs_reference"] == 0.25 and frag["bytes_same_for_every_seed"]
+    gap = frag["loss_gap_vs_reference_pct"]
+    assert gap["n"] == 2 and gap["mean"] == pytest.approx(0.5)
+    text = peak_bandwidth.render_markdown(result)
+    assert "| `python -m eqx_diloco.train --diloco.num-fragments 4` | 2 |" in text and "(0.25x)" in text
+    with pytest.raises(RuntimeError, match="step 30"):
+        peak_bandwidth.read_run(tmp_path / "default_s0", 30)
+
+
+def test_peak_bandwidth_stdout_lines():
+    text = ("final sync of parameter group(s) [0, 1, 2]: their inner steps since the last \nscheduled sync\n"
+            "done: ...\n  sent         197.82 kB per replica for synchronisation; DDP would have sent 1 MB\n")
+    assert peak_bandwidth.stdout_lines(text) == {
+        "final_sync_line": "final sync of parameter group(s) [0, 1, 2]",
+        "sent_summary_line": "sent         197.82 kB per replica for synchronisation; DDP would have sent 1 MB"}
+    assert peak_bandwidth.stdout_lines("") == {"final_sync_line": None, "sent_summary_line": None}
+
+
+@pytest.mark.slow  # two CLI trainings as subprocesses
+def test_peak_bandwidth_smoke(tmp_path):
+    result = peak_bandwidth.main(["--smoke", "--out-dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "peak_bandwidth.json").read_text())
+    assert "| command |" in (tmp_path / "peak_bandwidth.md").read_text()
+    default, frag = saved["rows"]
+    assert len(result["rows"]) == 2 and frag["command"].endswith("--diloco.num-fragments 4")
+    assert default["sent_bytes"] == frag["sent_bytes"] > 0  # the same values, split in 4 fragments
+    assert 0 < frag["peak_sync_bytes"] < default["peak_sync_bytes"]
+    assert frag["final_sync_line"].startswith("final sync of parameter group(s)")
