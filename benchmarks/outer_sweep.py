@@ -422,6 +422,16 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if spec.algorithm == "diloco" and ref is not None:
             row["reference"] = spec.reference
             row["gap_pct"] = common.paired_gap(by_seed[cell], ref)
+    # Each outer setting against plain averaging (outer lr 1, no momentum) in the same R, batch and H:
+    # per seed, its gap minus plain averaging's gap (percentage points of the reference loss).
+    gaps = {cell: {sd: 100 * (by_seed[cell][sd] - by_seed[row["reference"]][sd]) / by_seed[row["reference"]][sd]
+                   for sd in row["gap_pct"]["seeds"]} for cell, row in rows.items() if "gap_pct" in row}
+    for cell, row in rows.items():
+        spec = _spec_of(row)
+        plain = dataclasses.replace(spec, outer_lr=1.0, outer_momentum=0.0, nesterov=False).cell
+        if spec.algorithm == "diloco" and plain != cell and cell in gaps and plain in gaps:
+            seeds = sorted(set(gaps[cell]) & set(gaps[plain]))
+            row["vs_plain_averaging_pp"] = mean_sd(gaps[cell][sd] - gaps[plain][sd] for sd in seeds) | {"seeds": seeds}
     key = lambda r: (r["replicas"], r["batch_size"], r["algorithm"] != "ddp", r["sync_period"],
                      -r["outer_lr"], r["outer_momentum"])
     return sorted(rows.values(), key=key)
@@ -472,6 +482,16 @@ def render_study(name: str, study: dict[str, Any], mode: str = "full") -> list[s
                                       f"{_pm(best['gap_pct'], '+.2f', '%')} (n = {best['gap_pct']['n']})")
     if best_lines:
         lines += ["", "Lowest mean gap per cell:", "", *best_lines]
+    vs_plain = [r for r in rows if r.get("vs_plain_averaging_pp", {}).get("mean") is not None]
+    if vs_plain:
+        lines += ["", ("Against plain averaging (outer lr 1, no momentum) with the same R, batch and H: per seed, the "
+                       "gap minus plain averaging's gap, in percentage points (negative: closer to the reference); "
+                       "mean +- sd, n, 95% interval:"), ""]
+        for r in vs_plain:
+            d = r["vs_plain_averaging_pp"]
+            ci = "" if d.get("ci95") is None else f", +-{d['ci95']:.2f}"
+            lines.append(f"- R = {r['replicas']}, {r['batch_size'] * s['seq_len']} tokens: {r['label']}: "
+                         f"{_pm(d, '+.2f')} pp (n = {d['n']}{ci})")
     if study.get("not_run"):
         lines += ["", f"Grid runs not made (the study was stopped before them): {', '.join(study['not_run'])}."]
     lines += [""]
