@@ -3,8 +3,8 @@
 Every run trains the same model on the embedded corpus (the standard library's sources,
 bytes) at the quick scale of `benchmarks/convergence.py` (4 layers, width 64, 4 heads, seq
 64, 8 sequences = 512 tokens per replica step, 500 steps, inner AdamW lr 3e-3) with the
-outer SGD settings the CLI uses by default (read from `DiLoCoConfig()`: lr 1.0, no
-momentum) and the trainer's default `--train.final-sync` (stale fragments get one blocking
+outer SGD settings the CLI uses by default (read from `DiLoCoConfig()`: lr 1.0,
+Nesterov 0.3) and the trainer's default `--train.final-sync` (stale fragments get one blocking
 sync after the last step, so every method's evaluated global model holds all 500 steps).
 The number is the final eval loss of the global model (DDP: the shared params) on the same
 held-out windows. Runs (R replicas, batch per replica the same everywhere):

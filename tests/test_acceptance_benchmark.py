@@ -18,7 +18,10 @@ def test_acceptance_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "acceptance.json").read_text())
     assert result["complete"] and result["seeds"] == [0, 1] and result["num_devices"] == 4
-    assert result["settings"]["outer_lr"] == 1.0 and result["settings"]["outer_momentum"] == 0.0
+    from eqx_diloco.config import DiLoCoConfig
+
+    assert result["settings"]["outer_lr"] == DiLoCoConfig().outer_lr
+    assert result["settings"]["outer_momentum"] == DiLoCoConfig().outer_momentum
     comparisons = {c["name"]: c for c in result["comparisons"]}
     assert set(comparisons) == {"diloco_vs_ddp", "streaming_vs_diloco", "int4_vs_float32", "r1_vs_plain"}
     for c in comparisons.values():
