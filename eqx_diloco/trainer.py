@@ -485,6 +485,9 @@ class Trainer:
                 for g in final_synced:
                     sent += self.group_bytes[g]
                     wire += self.core.group_wire_bytes[g]
+                if final_synced:  # its bytes belong in the counters a reader of metrics.jsonl sums
+                    self._write({"step": t, "event": "final_sync", "groups": final_synced, "sent_bytes": sent,
+                                 "wire_bytes": wire})
                 if final_synced and show:
                     display.log(f"final sync of parameter group(s) {final_synced}: their inner steps since "
                                 f"the last scheduled sync now reach the global model")

@@ -76,6 +76,9 @@ def test_run_shorter_than_h_exports_a_trained_global_model(make_config):
     assert len(differ) > 0 and all(differ)
     # The sync's bytes are counted; an aligned run (steps a multiple of H) needs no final sync.
     assert summary["sent_bytes"] == trainer.group_bytes[0]
+    # ... and in metrics.jsonl, whose last byte counters are the run's totals.
+    last = [r for r in read_metrics(config.run_dir) if "sent_bytes" in r][-1]
+    assert last["event"] == "final_sync" and last["sent_bytes"] == summary["sent_bytes"] == last["wire_bytes"]
     aligned = Trainer(dataclasses.replace(config, run_dir=config.run_dir.parent / "aligned",
                                           train=dataclasses.replace(config.train, steps=4)), verbose=False)
     assert aligned.run()["final_sync_groups"] == []
