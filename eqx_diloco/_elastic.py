@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
 
 from ._errors import ConfigError
@@ -170,7 +171,7 @@ def reform_state(
     is_source = jax.process_index() == source
     shared = mine["shared"] if is_source else template
     shared = multihost_utils.broadcast_one_to_all(shared, is_source=is_source)
-    own = mine["own"] if mine is not None else _fresh_rows(diloco, shared, key)
+    own = mine["own"] if mine is not None else _fresh_rows(diloco, shared, key, step)
 
     step_value = np.asarray(step, np.int32)
     fields = {"step": jax.make_array_from_callback((), diloco.shardings.step, lambda index: step_value)}
@@ -210,12 +211,27 @@ def _row_for(index: tuple, row: np.ndarray, replica: int, num_rows: int) -> np.n
     return row[None][(slice(None), *index[1:])]
 
 
-def _fresh_rows(diloco, shared: dict[str, list], key: jax.Array) -> dict[str, list]:
-    """Own rows of an island that (re)joins: theta_g, a fresh inner optimizer state, a zero residual."""
+def schedules_at(opt_state: Any, step: int) -> Any:
+    """`opt_state` with every optax learning-rate schedule's counter (`ScaleByScheduleState`) at `step`.
+
+    A fresh inner optimizer state of a rejoining island keeps its moments and Adam's bias
+    correction fresh, but its learning rate must follow the run's schedule (warm-up and decay
+    are functions of the step), not start the warm-up again. Schedules injected another way
+    (`optax.inject_hyperparams`) are not moved.
+    """
+    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree.map(lambda n: n._replace(count=jnp.full_like(n.count, step)) if is_schedule(n) else n,
+                        opt_state, is_leaf=is_schedule)
+
+
+def _fresh_rows(diloco, shared: dict[str, list], key: jax.Array, step: int) -> dict[str, list]:
+    """Own rows of an island that (re)joins: theta_g, a fresh inner optimizer state (its learning-rate
+    schedule at `step`), a zero residual."""
     abstract = diloco.abstract_state
     params = [np.asarray(x) for x in shared["global_params"]]
     params_tree = jax.tree.unflatten(jax.tree.structure(abstract.global_params), [jnp.asarray(p) for p in params])
-    opt_state = [np.asarray(x) for x in _leaves(jax.jit(diloco.inner_optimizer.init)(params_tree))]
+    fresh = schedules_at(jax.jit(diloco.inner_optimizer.init)(params_tree), step)
+    opt_state = [np.asarray(x) for x in _leaves(fresh)]
     keys = [np.asarray(jax.random.key_data(key))]
     residuals = [np.zeros(x.shape[1:], x.dtype) for x in _leaves(abstract.residuals)]
     return {"params": params, "opt_state": opt_state, "keys": keys, "residuals": residuals}

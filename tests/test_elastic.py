@@ -17,6 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import tyro
 
@@ -96,13 +97,17 @@ def _reference_round(config: Config, rows: dict[int, dict], global_leaves: list,
     return [np.asarray(x) for x in jax.tree.leaves(jax.tree.map(lambda g, d: g - 1.0 * d, theta_g, outer_grad))]
 
 
-def _fresh_rows(config: Config, global_leaves: list) -> dict:
+def _fresh_rows(config: Config, global_leaves: list, step: int) -> dict:
     model = Transformer(config.model, key=jax.random.key(0))
     params = eqx.filter(model, eqx.is_inexact_array)
     theta_g = jax.tree.unflatten(jax.tree.structure(params), [jnp.asarray(x) for x in global_leaves])
     opt = inner_optimizer(config.train, model.weight_decay_mask())
     with jax.numpy_dtype_promotion("standard"):
         fresh = opt.init(theta_g)
+    # Fresh moments, but the learning-rate schedule at the step it rejoins (not a second warm-up).
+    at_step = lambda n: isinstance(n, optax.ScaleByScheduleState)  # noqa: E731
+    fresh = jax.tree.map(lambda n: optax.ScaleByScheduleState(count=jnp.asarray(step, jnp.int32)) if at_step(n) else n,
+                         fresh, is_leaf=at_step)
     return {"params": global_leaves, "opt_state": [np.asarray(x) for x in jax.tree.leaves(fresh)]}
 
 
@@ -160,7 +165,7 @@ def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
     # Round B -> B + H: island 2 is back, starting from theta_g(B) with a fresh inner optimizer state.
     at_b = {i: snaps[i].load(B) for i in (0, 1)}
     theta_b = at_b[0]["shared"]["global_params"]
-    rows = {**{i: at_b[i]["own"] for i in (0, 1)}, 2: _fresh_rows(config, theta_b)}
+    rows = {**{i: at_b[i]["own"] for i in (0, 1)}, 2: _fresh_rows(config, theta_b, B)}
     expected = _reference_round(config, rows, theta_b, [0, 1, 2], B)
     after = {i: snaps[i].load(B + H) for i in range(3)}
     _assert_close(after[2]["shared"]["global_params"], expected, f"theta_g after the rejoin round {B}->{B + H}")
