@@ -21,13 +21,14 @@ after the previous rejoin), a random island, and a kind, the K kinds dealt round
 
 A moment that does not come within 4 checkpoint periods falls back to `any`. What the kill
 hit is recorded from what is visible just before the signal: an orbax save in progress (its tmp
-folder), an island snapshot being written (`*.snapshot.tmp`), and whether the island had an
-overlapped sync in flight: launched (dispatched to its communication device) and not merged
-yet, read off the island's newest line t (`sync_in_flight`: the trainer writes the line of t
-once step t + 1, and the sync launched after it, are dispatched, and waits for a boundary step
-t + 1 to be computed before that line; with tau = 1 a sync is in flight during the lines of the
-odd steps). Whether its bytes were on the wire at that instant or it was still queued behind
-step t + 1 is not visible from outside. Step time is the attacked run's own, from metrics.jsonl.
+folder), an island snapshot being written (a `<step>.snapshot.tmp` of this generation; a kill
+mid-write leaves one behind), and whether the island had an overlapped sync in flight: launched
+(dispatched to its communication device) and not merged yet, read off the island's newest
+line t (`sync_in_flight`: the trainer writes the line of t once step t + 1, and the sync
+launched after it, are dispatched, and waits for a boundary step t + 1 to be computed before
+that line; with tau = 1 a sync is in flight during the lines of the odd steps). Whether its
+bytes were on the wire at that instant or it was still queued behind step t + 1 is not visible
+from outside. Step time is the attacked run's own, from metrics.jsonl.
 
 Reported (from metrics.jsonl's `island_lost` / `island_rejoined` events and the driver's
 clock): kills survived / tried (survived: the loss is logged for that island, the others
@@ -217,14 +218,20 @@ def checkpoint_saves(run_dir: pathlib.Path, since_step: int) -> list[str]:
     return sorted(found)
 
 
-def snapshot_writes(run_dir: pathlib.Path) -> list[str]:
+def snapshot_writes(run_dir: pathlib.Path, since_step: int) -> list[str]:
+    """Island snapshots being written (`<step>.snapshot.tmp`) of steps after `since_step` (a kill
+    mid-write leaves its tmp file behind)."""
     found = []
     for i in range(ISLANDS):
         folder = run_dir / "elastic" / f"island-{i}"
         try:
-            found += [f"island-{i}/{p.name}" for p in folder.iterdir() if p.name.endswith(".snapshot.tmp")]
+            names = [p.name for p in folder.iterdir()]
         except OSError:
-            pass
+            continue
+        for name in names:
+            head = name.removesuffix(".snapshot.tmp")
+            if name.endswith(".snapshot.tmp") and head.isdigit() and int(head) > since_step:
+                found.append(f"island-{i}/{name}")
     return sorted(found)
 
 
@@ -447,7 +454,7 @@ def attacked_run(work: pathlib.Path, mode: Mode, env: dict[str, str], deadline: 
             time.sleep(delay)
             # The moment, read just before the signal.
             seen = progress(run_dir, island)
-            saves, snaps = checkpoint_saves(run_dir, generation_start), snapshot_writes(run_dir)
+            saves, snaps = checkpoint_saves(run_dir, generation_start), snapshot_writes(run_dir, generation_start)
             steps_now = {i: step_of(run_dir, i) for i in range(ISLANDS)}
             if not is_island_process(seen["pid"], run_dir):
                 raise Failed(f"kill {k + 1}: island {island}'s pid {seen['pid']} is not a live trainer of this run")
