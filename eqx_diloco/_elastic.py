@@ -81,6 +81,8 @@ class IslandSnapshots:
         """
         self.wait()
         self.directory.mkdir(parents=True, exist_ok=True)
+        for torn in self.directory.glob(f"*{_SUFFIX}.tmp"):  # a write a kill interrupted
+            torn.unlink(missing_ok=True)
 
         def work():
             try:

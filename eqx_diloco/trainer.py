@@ -448,8 +448,6 @@ class Trainer:
             state, metrics = self.core.step(state, tokens, before_sync=drift_fn)
             boundary = self.elastic and (metrics["synced_fragment"] is not None or metrics["applied_fragment"]
                                          is not None) and self.core.settled
-            if boundary:  # blocks until step t is computed (once per sync); the write is asynchronous
-                self.snapshots.write(self.core.island_snapshot(state, island=self.island))
             if step == start:  # the step programs (and those of the syncs due now) compiled in that call
                 self._compile_note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
             finite, drift = metrics.pop("sync_finite", None), metrics.pop("before_sync", None)
@@ -464,20 +462,27 @@ class Trainer:
             pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
                            wire=wire, peak=peak, router_drift=drift, global_finite=global_finite)
             final = t == T
-            if boundary and self._reform_due and not final:
-                self._emit(pending, display, tokens_per_step, last_time, last_step)
-                self.snapshots.wait()
-                self.checkpointer.wait()
-                self.state = state
-                raise Reforming(t)
+            if boundary:
+                # Step t's line first (its gather is where a lost island shows): an island never holds
+                # a snapshot of a step whose metrics line is missing. Then the snapshot (it blocks until
+                # step t is computed, once per sync; the write itself is asynchronous).
+                last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
+                pending = None
+                self.snapshots.write(self.core.island_snapshot(state, island=self.island))
+                if self._reform_due and not final:
+                    self.snapshots.wait()
+                    self.checkpointer.wait()
+                    self.state = state
+                    raise Reforming(t)
             stop = bool(self._stop_signal) and not final
             eval_due = final or bool(t_cfg.eval_every and t % t_cfg.eval_every == 0)
             save_due = self.checkpointer.due(t) or final or stop
             if eval_due or save_due:
                 state = self.install_pending(state)
                 # Read step t's finiteness first: a diverged state must never be checkpointed.
-                last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
-                pending = None
+                if pending is not None:
+                    last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
+                    pending = None
                 if self._stop_signal and not final and not stop:  # agreed on in that very exchange
                     stop = save_due = True
             if final:

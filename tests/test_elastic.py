@@ -47,21 +47,20 @@ def _island_dir(run: Path, island: int) -> Path:
     return run / "elastic" / f"island-{island}"
 
 
-def _kill_when_past(run: Path, island: int, step: int, proc: subprocess.Popen, timeout_s: float = 240) -> int:
-    """SIGKILL `island`'s process once it finished `step`; returns the step it had reached."""
+def _kill_when_snapshot(run: Path, island: int, step: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+    """SIGKILL `island`'s process the moment island 0 has its snapshot of sync boundary `step`:
+    the others may then be past that boundary and waiting for it, the race that once left the
+    boundary's metrics line unwritten."""
     progress = _island_dir(run, island) / "progress.json"
+    snapshot = _island_dir(run, 0) / f"{step}.snapshot"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the run ended before the island was killed"
-        try:
-            seen = json.loads(progress.read_text())
-        except (OSError, ValueError):
-            seen = None
-        if seen and seen["step"] >= step:
-            os.kill(seen["pid"], signal.SIGKILL)
-            return seen["step"]
-        time.sleep(0.02)
-    raise AssertionError(f"island {island} never reached step {step}")
+        if snapshot.exists():
+            os.kill(json.loads(progress.read_text())["pid"], signal.SIGKILL)
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"island 0 never wrote its snapshot of step {step}")
 
 
 def _reference_round(config: Config, rows: dict[int, dict], global_leaves: list, islands: list[int], start: int):
@@ -125,7 +124,7 @@ def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _kill_when_past(run, 2, 2 * H + 2, proc)
+        _kill_when_snapshot(run, 2, 2 * H, proc)
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

@@ -93,3 +93,5 @@ def test_writes_are_atomic_and_old_snapshots_pruned(tmp_path):
     assert snapshots.steps() == [8, 12] and snapshots.load(12)["step"] == 12
     (tmp_path / "island-3" / "16.snapshot.tmp").write_bytes(b"torn")  # a write a kill interrupted
     assert snapshots.newest() == 12
+    snapshots.write({"step": 20, "island": 3, "shared": {}, "own": {}}, wait=True)  # the next write clears it
+    assert sorted(p.name for p in (tmp_path / "island-3").iterdir()) == ["12.snapshot", "20.snapshot"]
