@@ -15,6 +15,7 @@ import pathlib
 import platform
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -55,6 +56,20 @@ def add_mode_flags(parser) -> None:
     group.add_argument("--quick", dest="mode", action="store_const", const="quick", help="the default")
     group.add_argument("--full", dest="mode", action="store_const", const="full")
     group.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tests only")
+
+
+def revision() -> str | None:
+    """The git commit of the code that ran (with `-dirty` for local changes), if known."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10,
+                             check=False)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10, check=False)
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def machine_info() -> dict[str, Any]:

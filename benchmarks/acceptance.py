@@ -65,7 +65,6 @@ import hashlib
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -180,20 +179,6 @@ def settings_id(s: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(s, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def revision() -> str | None:
-    """The git commit of the code that ran (with `-dirty` for local changes), if known."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10,
-                             check=False)
-        if rev.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10, check=False)
-        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 # -- running ----------------------------------------------------------------------------
 
 
@@ -281,7 +266,7 @@ def build_result(records: dict[str, dict[str, Any]], runs: Sequence[Run], mode: 
         comparisons.append({**dataclasses.asdict(c), "gap_pct": gap, "verdict": verdict(c, gap)})
     done = sum(len(v) for v in by_run.values())
     return {
-        "benchmark": NAME, "mode": mode, "command": command, "revision": revision(), "seeds": list(seeds),
+        "benchmark": NAME, "mode": mode, "command": command, "revision": common.revision(), "seeds": list(seeds),
         "num_devices": NUM_DEVICES, "settings": s, "settings_id": settings_id(s),
         "complete": done == len(runs) * len(seeds), "runs_done": done, "runs_planned": len(runs) * len(seeds),
         "total_run_s": sum(rec["elapsed_s"] for v in by_run.values() for rec in v.values()),

@@ -647,19 +647,6 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def revision() -> str | None:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10,
-                             check=False)
-        if rev.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10, check=False)
-        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.elastic", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -713,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": NAME,
         "mode": mode_name,
         "command": command,
-        "revision": args.revision or revision(),
+        "revision": args.revision or common.revision(),
         "seed": args.seed,
         "settings": {"islands": ISLANDS, "steps": mode.steps, "kills": mode.kills, "sync_period": H,
                      "num_fragments": P, "overlap_steps": TAU, "checkpoint_every": CHECKPOINT_EVERY,

@@ -34,7 +34,6 @@ Run `python -m benchmarks.peak_bandwidth --help`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform

@@ -25,6 +25,7 @@ That needs root (to create the namespace); without it the launcher says so and s
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import os
 import re
@@ -213,15 +214,20 @@ def launch(
     later, or at a second signal, are killed. The children also die with the launcher if it
     is killed outright (PR_SET_PDEATHSIG), so none is ever left running unsupervised.
     """
-    prefix: list[str] = []
-    limit = None
-    if bandwidth:
-        problem = LinkLimit.check()
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-        limit = LinkLimit(bandwidth)
-        prefix = limit.__enter__()
+    if bandwidth and (problem := LinkLimit.check()):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    with _link(bandwidth) as prefix:
+        return _launch(num_processes, flags, module=module, prefix=prefix, log_dir=log_dir, grace_s=grace_s)
+
+
+def _link(bandwidth: str | None) -> contextlib.AbstractContextManager[list[str]]:
+    """The command prefix that runs a process on the rate-limited link (none without `bandwidth`)."""
+    return LinkLimit(bandwidth) if bandwidth else contextlib.nullcontext([])
+
+
+def _launch(num_processes: int, flags: list[str], *, module: str, prefix: list[str], log_dir: Path,
+            grace_s: float) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     logs = [log_dir / f"process_{i}.log" for i in range(num_processes)]
@@ -234,8 +240,6 @@ def launch(
         _stop(procs)
         if tee is not None:
             tee.join(timeout=5)
-        if limit is not None:
-            limit.__exit__()
 
 
 def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth: str | None, log_dir: Path,
@@ -246,22 +250,13 @@ def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth
     policy = ElasticPolicy(max_restarts=max_restarts, rejoin_after_s=rejoin_after_s, drain_s=drain_s,
                            min_replicas=min_replicas)
     run_dir = Path(_flag_value(flags, "--run-dir") or "runs/default")
-    prefix: list[str] = []
-    limit = None
-    if bandwidth:
-        problem = LinkLimit.check()
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-        limit = LinkLimit(bandwidth)
-        prefix = limit.__enter__()
+    if bandwidth and (problem := LinkLimit.check()):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     log_dir.mkdir(parents=True, exist_ok=True)
-    try:
+    with _link(bandwidth) as prefix:
         return ElasticLauncher(num_islands, flags, module=module, prefix=prefix, log_dir=log_dir, run_dir=run_dir,
                                policy=policy, grace_s=grace_s).run()
-    finally:
-        if limit is not None:
-            limit.__exit__()
 
 
 def spawn(
