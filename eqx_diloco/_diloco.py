@@ -418,6 +418,23 @@ class DiLoCo:
             self._last_state = state
         return state, finished
 
+    def drain(self, state: TrainState) -> TrainState:
+        """When training is over: land every exchange still on its way in the global model.
+
+        `outer_overlap` delayed / eager: the last round's exchange has no next sync to be used
+        at; this waits for it and applies the share no outer step has used yet (the part of
+        an outer step that share is responsible for, see `_eager`), restarts the replicas from
+        the new anchors and empties the mailbox (a second drain does nothing). Otherwise it is
+        `settle`. Returns the state to evaluate, export or save.
+        """
+        state, _ = self.settle(state)
+        if self.overlapped is not None:
+            for group in range(len(self.groups)):
+                state = self.overlapped.drain(state, group)
+            if self._last_state is not None:
+                self._last_state = state
+        return state
+
     def global_params(self, state: TrainState) -> PyTree:
         """theta_g with in-flight results included (the state is not consumed); ddp: replica 0."""
         if not self.is_diloco:

@@ -36,6 +36,17 @@ Choices where the paper leaves room (and why):
   up to the eager term); for delayed it is theta_g.
 - A non-finite replica cannot be skipped out of an eager proxy that others already used,
   so eager needs `on_nonfinite="stop"`; delayed supports `skip` (the mean leaves it out).
+- The end of training (not in the paper, which says nothing of it): the last round's
+  exchange has no next sync to land in, so the evaluated model would miss (R - 1) / R of
+  that round's averaged outer gradient (eager) or all of it (delayed). `drain` waits for it
+  and applies the remainder `rem` (eager: Dbar - own_m / R, the others' share the replica
+  has not used; delayed: Dbar) as the part of an outer step it is responsible for:
+  `OuterOpt(a, rem) - OuterOpt(a, 0)` from the same optimizer state. For SGD with (Nesterov)
+  momentum that is exactly amending the last outer step's gradient by `rem`, so with plain
+  SGD the drained anchors are blocking DiLoCo's sum of averaged outer gradients, and R = 1
+  eager stays exactly blocking (rem = 0). A plain extra outer step would also re-apply the
+  momentum once more (an extrapolation blocking DiLoCo never takes). The optimizer state is
+  left as it was and the mailbox is emptied, so a second drain does nothing.
 """
 
 import dataclasses
@@ -102,6 +113,8 @@ class OverlappedOuter:
                        for i in range(len(groups))]
         self._install = [jax.jit(self._install_fn(i), donate_argnums=0, out_shardings=shardings)
                          for i in range(len(groups))]
+        self._drain = [jax.jit(self._drain_fn(i), donate_argnums=0, out_shardings=shardings)
+                       for i in range(len(groups))]
 
     # -- the exchange (runs in the background) --------------------------------------------------
 
@@ -169,6 +182,37 @@ class OverlappedOuter:
 
         return install
 
+    def _drain_fn(self, i: int):
+        group, opt, R, eager = self.groups[i], self.outer_opt, self.num_replicas, self.mode == "eager"
+
+        def drain(state: TrainState) -> TrainState:
+            anchors = group.get(state.global_params, layer_axis=1 if eager else 0)
+            mean = state.mail_mean[i]
+            update = jax.vmap(opt.update) if eager else opt.update
+            if eager:
+                rem = [jnp.broadcast_to(m, o.shape) - o / R for m, o in zip(mean, state.mail_own[i])]
+            else:
+                rem = list(mean)
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes weak floats and int32 counts
+                with_rem, _ = update(rem, state.outer_states[i], anchors)
+                without, _ = update([jnp.zeros_like(r) for r in rem], state.outer_states[i], anchors)
+            # An empty remainder (nothing arrived, R = 1, or drained already) leaves the anchors
+            # bit-exact: u(0) - u(0) may round to a few ulps once XLA folds the zeros.
+            landed = jnp.any(jnp.stack([jnp.any(r != 0) for r in rem]))
+            anchors = [jnp.where(landed, a + (u - z), a) for a, u, z in zip(anchors, with_rem, without)]
+            replicas = group.get(state.params, layer_axis=1)
+            restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
+            empty = lambda mail: _replace(mail, i, [jnp.zeros_like(x) for x in mail[i]])  # noqa: E731
+            return dataclasses.replace(
+                state,
+                params=group.put(state.params, restart, layer_axis=1),
+                global_params=group.put(state.global_params, anchors, layer_axis=1 if eager else 0),
+                mail_mean=empty(state.mail_mean),
+                mail_own=empty(state.mail_own) if eager else state.mail_own,
+            )
+
+        return drain
+
     # -- host-side API ---------------------------------------------------------------------------
 
     def sync(self, state: TrainState, group: int) -> tuple[TrainState, InFlightExchange]:
@@ -184,3 +228,7 @@ class OverlappedOuter:
         if self.comm_mesh is not None:
             mean, finite, own_error = move_to_mesh((mean, finite, own_error), self.comm_mesh, self.mesh)
         return self._install[in_flight.group](state, mean, own_error), finite
+
+    def drain(self, state: TrainState, group: int) -> TrainState:
+        """Apply what the arrived exchange of `group` brought that no outer step used yet (see the module doc)."""
+        return self._drain[group](state)

@@ -235,11 +235,15 @@ class Trainer:
         Without it, the inner steps after a group's last scheduled sync (a run shorter than H, or
         `--train.steps` not a multiple of H, and with P > 1 every fragment but the one that synced
         at `t`) would never reach the global model that is evaluated and exported. The replicas
-        are not merged (training is over). Returns (state, the groups synced).
+        are not merged (training is over). With `--diloco.outer-overlap` delayed / eager every
+        group has just synced (or will never); what is missing is each group's last exchange,
+        which `drain` lands (no bytes are sent). Returns (state, the groups synced).
         """
-        if not self.diloco or self.core.overlapped is not None or not self.config.train.final_sync:
-            # delayed / eager: the global model is the one of the last outer step (the last
-            # round's exchange has nowhere to land without a further round); documented.
+        if not self.diloco or not self.config.train.final_sync:
+            return state, []
+        if self.core.overlapped is not None:
+            state = self.core.drain(state)
+            self._check_global(t, all_finite(state.global_params))
             return state, []
         state = self.install_pending(state)
         d = self.config.diloco
@@ -496,6 +500,8 @@ class Trainer:
                 if final_synced and show:
                     display.log(f"final sync of parameter group(s) {final_synced}: their inner steps since "
                                 f"the last scheduled sync now reach the global model")
+                if self.diloco and self.core.overlapped is not None and t_cfg.final_sync and show:
+                    display.log("the last round's exchange of every parameter group landed in the global model")
             if eval_due:
                 eval_loss_value = self._evaluate(state, t, display if show else None)
                 last_time = time.perf_counter()  # do not charge the evaluation to training throughput

@@ -8,6 +8,10 @@ Nesterov momentum is written out), float32 exchanges. Per group g synced at its 
     delayed:  a <- NesterovSGD(a, Dbar)              (one shared anchor)
     eager:    a_m <- NesterovSGD_m(a_m, Delta_m / R + Dbar - Delta_m(prev) / R)
     theta_m[g] <- a_m[g];  the exchange of this round's Delta's goes in flight.
+
+With `drain`, after the last step every group's last exchange lands: the remainder no step
+used (eager: Dbar - Delta_m / R; delayed: Dbar) amends the last outer step, which for
+Nesterov SGD means a -= lr (1 + mu) rem, and theta_m[g] <- a_m[g].
 """
 
 import jax
@@ -35,7 +39,8 @@ def group_masks(params, num_fragments: int, depth: int, in_stack) -> list:
     return masks
 
 
-def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, lr, mu, depth, in_stack, steps):
+def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, lr, mu, depth, in_stack, steps,
+                         drain=False):
     """Losses (steps, R) and the final (replica params, anchors) as flat leaf lists with a leading R axis."""
     theta = [jnp.broadcast_to(x, (R, *x.shape)) for x in jax.tree.leaves(params)]
     treedef = jax.tree.structure(params)
@@ -74,4 +79,10 @@ def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, 
         anchor = [jnp.where(k, a1, a0) for k, a1, a0 in zip(mask, new_anchor, anchor)]
         theta = [jnp.where(k, a, x) for k, a, x in zip(mask, anchor, theta)]
         in_flight[g] = ([jnp.mean(d, axis=0) for d in delta], delta)
+    if drain:
+        for g, (mean, own) in sorted(in_flight.items()):
+            rem = [jnp.broadcast_to(m, o.shape) - (o / R if mode == "eager" else 0) for m, o in zip(mean, own)]
+            new_anchor = [a - lr * (1 + mu) * r for a, r in zip(anchor, rem)]
+            anchor = [jnp.where(k, a1, a0) for k, a1, a0 in zip(masks[g], new_anchor, anchor)]
+            theta = [jnp.where(k, a, x) for k, a, x in zip(masks[g], anchor, theta)]
     return np.stack(losses), theta, anchor

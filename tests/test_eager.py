@@ -30,13 +30,17 @@ def _run(diloco, model, steps, batches):
     return np.stack(losses), state
 
 
+@pytest.mark.parametrize("drain", [False, True])
 @pytest.mark.parametrize("num_fragments", [1, 3])
 @pytest.mark.parametrize("mode", ["delayed", "eager"])
-def test_trainer_matches_the_paper_equations(mode, num_fragments):
+def test_trainer_matches_the_paper_equations(mode, num_fragments, drain):
     R, H, steps = 2, 6, 27  # 4 rounds of every fragment, plus a partial one
     model = StackedMLP(key=jax.random.key(0))
     diloco = _core(mode, num_fragments=num_fragments)
     losses, state = _run(diloco, model, steps, lambda s: make_batch(s, R))
+    if drain:
+        state = diloco.drain(state)
+        assert not diloco._in_flight
 
     params = eqx.filter(model, eqx.is_inexact_array)
     in_stack, _ = stack_flags(params, lambda m: m.blocks)
@@ -47,7 +51,7 @@ def test_trainer_matches_the_paper_equations(mode, num_fragments):
 
     ref_losses, ref_theta, ref_anchor = reference_overlapped(
         mode, params, inner_opt=optax.adam(1e-2), grad_fn=grad_fn, batches=lambda s: make_batch(s, R),
-        R=R, H=H, P=num_fragments, lr=LR, mu=MU, depth=DEPTH, in_stack=in_stack, steps=steps,
+        R=R, H=H, P=num_fragments, lr=LR, mu=MU, depth=DEPTH, in_stack=in_stack, steps=steps, drain=drain,
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
     for got, want in zip(jax.tree.leaves(state.params), ref_theta):
@@ -65,6 +69,31 @@ def test_eager_with_one_replica_is_blocking_diloco():
     eager, _ = _run(_core("eager", num_replicas=1, num_fragments=3), model, 20, batches)
     blocking, _ = _run(_core("none", num_replicas=1, num_fragments=3), model, 20, batches)
     np.testing.assert_allclose(eager, blocking, rtol=1e-6)
+
+
+def test_drained_eager_with_one_replica_is_blocking_diloco():
+    model = StackedMLP(key=jax.random.key(1))
+    batches = lambda s: make_batch(s, 1)  # noqa: E731
+    eager = _core("eager", num_replicas=1)
+    _, eager_state = _run(eager, model, 18, batches)
+    blocking = _core("none", num_replicas=1)
+    _, blocking_state = _run(blocking, model, 18, batches)
+    drained = eager.drain(eager_state)
+    for a, b in zip(jax.tree.leaves(eager.global_params(drained)), jax.tree.leaves(blocking.global_params(blocking_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["delayed", "eager"])
+def test_drain_lands_the_last_exchange_once(mode):
+    diloco = _core(mode)
+    _, state = _run(diloco, StackedMLP(key=jax.random.key(2)), 12, lambda s: make_batch(s, 2))
+    before = jax.device_get(diloco.global_params(state))
+    drained = diloco.drain(state)
+    after = jax.device_get(diloco.global_params(drained))
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    again = jax.device_get(diloco.global_params(diloco.drain(drained)))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_delayed_is_not_blocking_diloco():
@@ -136,3 +165,21 @@ def test_compile_checks_of_the_overlapped_programs():
         assert finite.shape == (2,) and [m.shape for m in mean] == [s.shape[1:] for s in sent]
         installed = jax.eval_shape(diloco.overlapped._install[g], state, mean, own_error)
         assert jax.tree.structure(installed) == jax.tree.structure(state)
+
+
+def test_trainer_lands_the_last_exchange_unless_told_not_to(tmp_path):
+    from conftest import tiny_config
+    from eqx_diloco.trainer import Trainer
+
+    def run(name, final_sync):
+        config = tiny_config(tmp_path / name, diloco=dict(outer_overlap="eager", num_fragments=3, sync_period=3),
+                             model=dict(num_layers=4), train=dict(steps=12, final_sync=final_sync))
+        trainer = Trainer(config, verbose=False)
+        summary = trainer.run()
+        return summary["eval_loss"], trainer.state
+
+    landed_loss, landed = run("landed", True)
+    paper_loss, pending = run("paper", False)
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves((landed.mail_mean, landed.mail_own)))
+    assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(pending.mail_mean))
+    assert landed_loss != paper_loss
