@@ -50,3 +50,39 @@ def tiny_config(run_dir: Path, *, algorithm="diloco", model=None, diloco=None, t
 @pytest.fixture
 def make_config(tmp_path):
     return lambda **kw: tiny_config(tmp_path / "run", **kw)
+
+
+# -- scheduling on xdist workers (`-n 2 --dist loadfile`) ----------------------------------
+# xdist hands out whole files in collection order, by default reordered to "most tests first",
+# which put the longest files (a few tests of a minute or more each) last, one worker finishing
+# them alone. Longest first instead (measured on the 2-core machine, see
+# benchmarks/results/test_suite.txt): the short files then fill in at the end. Only the order
+# of files changes; every test still runs, and tests within a file keep their order.
+SLOW_FILES_FIRST = (
+    "test_elastic.py",  # with test_multiprocess.py, on one worker one after the other (their many processes)
+    "test_outer_sweep.py",
+    "test_multiprocess.py",
+    "test_bad_input.py",
+    "test_checkpoint.py",
+    "test_eager_benchmark.py",
+    "test_trainer_hardening.py",
+    "test_acceptance_benchmark.py",
+    "test_quantized_sync.py",
+    "test_benchmarks.py",
+    "test_benchmark_outputs.py",
+    "test_equivalence.py",
+)
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", None):  # xdist's "most tests first": ours instead
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    # Known-slow files first, in the order above; then the rest by number of tests, as xdist would.
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name]))
