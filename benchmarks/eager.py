@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):  # `python benchmarks/eager.py`
@@ -80,9 +81,14 @@ def main(argv=None) -> int:
     args.steps = args.steps or (24 if args.quick else 500)
     args.sync_period = args.sync_period or (6 if args.quick else 20)
     args.batch_size = args.batch_size or (4 if args.quick else 8)
-    common.setup_jax(NUM_DEVICES)
-
     args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="eqx_diloco_jaxcache_") as cache:
+        # Seeds of one method build identical programs: they compile once (results unchanged).
+        common.setup_jax(NUM_DEVICES, compile_cache=cache)
+        return run(args, methods)
+
+
+def run(args, methods) -> int:
     runs = args.out / "runs"
     losses: dict[str, dict[int, float]] = {m: {} for m in methods}
     total, done, start = len(methods) * len(args.seeds), 0, time.perf_counter()
