@@ -12,7 +12,8 @@ Every method trains the same model as 2 processes (one replica each) joined by
   while tau steps compute, waited for only at t + tau;
 - eager, streaming_eager: `--diloco.outer-overlap eager` (P = 1 and P): each exchange runs
   on the communication devices for a whole round and is waited for at the next sync of
-  the same parameters (their first installs fall inside the longer warm-up, 2H + 1).
+  the same parameters (their first installs fall inside the longer warm-up, 2H + 1);
+  eager_int4, streaming_eager_int4: the same with 4-bit payloads and error feedback.
 
 s/step is measured from the metrics' timestamps after a warm-up that covers every
 program's compilation (the first sync of every fragment); compute_only and ddp, whose
@@ -35,6 +36,7 @@ from eqx_diloco.launch import LinkLimit
 
 def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
     stream = ["--diloco.sync-period", str(H), "--diloco.num-fragments", str(P)]
+    int4 = ["--diloco.quantize", "int4", "--diloco.error-feedback"]
     return {
         "compute_only": ["--diloco.sync-period", "1000000"],
         "ddp": ["--algorithm", "ddp"],
@@ -45,6 +47,9 @@ def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
         # Whole-round overlap (arXiv 2502.12996): each exchange has a full round (H steps) to arrive.
         "eager": ["--diloco.sync-period", str(H), "--diloco.outer-overlap", "eager"],
         "streaming_eager": [*stream, "--diloco.outer-overlap", "eager"],
+        # The paper's bandwidth claims are for 4-bit payloads: the same with int4 + error feedback.
+        "eager_int4": ["--diloco.sync-period", str(H), "--diloco.outer-overlap", "eager", *int4],
+        "streaming_eager_int4": [*stream, "--diloco.outer-overlap", "eager", *int4],
     }
 
 
