@@ -16,6 +16,11 @@ steps the run consumes R * b * S * seq_len tokens. All runs keep R * b * S fixed
   fixed budget). DDP R = 4 with b = B / 2 computes the same gradient as DDP R = 2 with
   b = B; only the data order differs (each replica reads its own share of the corpus).
 
+Whole-round overlap (`--diloco.outer-overlap`, arXiv 2502.12996): DiLoCo R = 2 with the
+outer step overlapped with the next round, delayed and eager at H = 10, eager at H = 50.
+Like every run here they are evaluated at their last scheduled sync (no final sync), so
+their last round's exchange is not landed.
+
 Sync periods: the model has L = 4 layers so Streaming DiLoCo with P = L + 1 = 5 fragments
 (fragment 0 = embeddings/final norm/head, fragments 1..4 = one layer each) and P = 2
 (fragment 1 = all layers) both divide H for H in {10, 50}, the issue's values. Streaming
@@ -24,7 +29,7 @@ tau in {0, 1, 4} is allowed (tau < H / P). DiLoCo runs use H in {10, 50}.
 
 Modes:
 
-- `--quick` (default): L = 4, dim 64, seq 64, B = 8, 500 steps, 13 runs, a subset of the
+- `--quick` (default): L = 4, dim 64, seq 64, B = 8, 500 steps, 16 runs, a subset of the
   streaming grid; about 5-8 minutes on 2 idle CPU cores.
 - `--full`: L = 4, dim 128, seq 128, B = 8, 1000 steps, the whole streaming grid
   (P x tau x alpha, plus int4); roughly an hour or more on 2 CPU cores.
@@ -99,12 +104,15 @@ class RunSpec:
     alpha: float = 0.0
     quantize: str = "none"
     error_feedback: bool = False
+    outer_overlap: str = "none"  # "delayed" / "eager": whole-round overlap (arXiv 2502.12996)
 
     @property
     def name(self) -> str:
         parts = [self.method, f"R{self.replicas}"]
         if self.method != "ddp":
             parts.append(f"H{self.sync_period}")
+        if self.outer_overlap != "none":
+            parts.append(self.outer_overlap)
         if self.method == "streaming":
             parts += [f"P{self.fragments}", f"tau{self.overlap}", f"a{self.alpha:g}"]
         if self.quantize != "none":
@@ -123,6 +131,9 @@ def suite(scale: Scale, grid: str) -> list[RunSpec]:
     if grid == "smoke":
         return [RunSpec("ddp", 2, b2), stream(2, b2, 2, 0, 0.0, "int4")]
     runs = [RunSpec("ddp", 2, b2), RunSpec("diloco", 2, b2, small_h), RunSpec("diloco", 2, b2, big_h)]
+    # The whole outer step overlapped with the next round: the naive and the eager variant.
+    runs += [RunSpec("diloco", 2, b2, small_h, outer_overlap=mode) for mode in ("delayed", "eager")]
+    runs += [RunSpec("diloco", 2, b2, big_h, outer_overlap="eager")]
     if grid == "full":
         for P in (2, L + 1):
             for tau in scale.overlaps:
@@ -154,7 +165,7 @@ def make_config(spec: RunSpec, scale: Scale, run_dir: pathlib.Path, seed: int):
         diloco = DiLoCoConfig(num_replicas=spec.replicas, sync_period=spec.sync_period, num_fragments=spec.fragments,
                               overlap_steps=spec.overlap, alpha=spec.alpha, quantize=spec.quantize,
                               error_feedback=spec.error_feedback, outer_lr=scale.outer_lr,
-                              outer_momentum=scale.outer_momentum)
+                              outer_momentum=scale.outer_momentum, outer_overlap=spec.outer_overlap)
     return Config(algorithm="ddp" if spec.method == "ddp" else "diloco", run_dir=run_dir, model=model, diloco=diloco,
                   train=train, data=DataConfig(source="corpus", max_corpus_bytes=scale.max_corpus_bytes),
                   checkpoint=CheckpointConfig(every=0))
@@ -162,7 +173,7 @@ def make_config(spec: RunSpec, scale: Scale, run_dir: pathlib.Path, seed: int):
 
 def devices_for(specs: Sequence[RunSpec]) -> int:
     """Replicas, plus one communication device per replica for overlapped syncs."""
-    return max(s.replicas * (2 if s.overlap > 0 else 1) for s in specs)
+    return max(s.replicas * (2 if s.overlap > 0 or s.outer_overlap != "none" else 1) for s in specs)
 
 
 def run_suite(specs: Sequence[RunSpec], scale: Scale, *, seeds: Sequence[int] = (0,),
@@ -258,7 +269,7 @@ def plot(rows: list[dict[str, Any]], out_dir: pathlib.Path, prefix: str = "conve
     return [by_step, by_bytes]
 
 
-def run(mode: str = "quick", *, seeds: Sequence[int] = (0,), only: str | None = None,
+def run(mode: str = "quick", *, seeds: Sequence[int] = (0,), only: str | Sequence[str] | None = None,
         out_dir: pathlib.Path | None = None, json_path: pathlib.Path | None = None, keep_runs=None,
         make_plots: bool = True, log=None, **overrides) -> dict[str, Any]:
     """Run the benchmark of `mode` and write markdown, JSON and plots. Returns the JSON dict.
@@ -268,7 +279,8 @@ def run(mode: str = "quick", *, seeds: Sequence[int] = (0,), only: str | None = 
     scale = dataclasses.replace(SCALES[mode], **{k: v for k, v in overrides.items() if v is not None})
     specs = suite(scale, "smoke" if mode == "smoke" else mode)
     if only:
-        specs = [s for s in specs if only in s.name]
+        wanted = [only] if isinstance(only, str) else list(only)
+        specs = [s for s in specs if any(text in s.name for text in wanted)]
     out_dir = pathlib.Path(out_dir or common.default_out_dir("convergence", mode))
     start = time.perf_counter()
     with common.TemporaryRunDirs(keep_runs) as runs_dir:
@@ -313,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lr", type=float, default=None, help="override the inner AdamW peak learning rate")
     parser.add_argument("--outer-lr", type=float, default=None, help="override the outer SGD learning rate (0.7)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="override the outer momentum (0.9)")
-    parser.add_argument("--only", default=None, help="run only specs whose name contains this text")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only specs whose name contains one of these texts")
     parser.add_argument("--out-dir", type=pathlib.Path, default=None,
                         help="where the JSON, markdown and PNG plots go (default runs/benchmarks/convergence_<mode>; "
                              "committed results under benchmarks/results only when given explicitly)")

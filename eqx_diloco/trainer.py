@@ -242,7 +242,7 @@ class Trainer:
         if not self.diloco or not self.config.train.final_sync:
             return state, []
         if self.core.overlapped is not None:
-            state = self.core.drain(state)
+            state = self.core.drain(self.install_pending(state))  # the arrived exchanges' finite flags checked first
             self._check_global(t, all_finite(state.global_params))
             return state, []
         state = self.install_pending(state)
