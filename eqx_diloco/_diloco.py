@@ -418,6 +418,21 @@ class DiLoCo:
             self._last_state = state
         return state, finished
 
+    def sync_now(self, state: TrainState, group: int) -> TrainState:
+        """Outside the schedule: the outer step of `group` now, with `outer_overlap` delayed / eager.
+
+        For the end of training (the trainer's final sync): a group whose last scheduled sync
+        is older than the last step takes one more outer step, so its inner steps since then
+        are sent too; `drain` then lands that exchange. Needs nothing of `group` in flight
+        (`settle` first).
+        """
+        _require(self.outer_overlap != "none", "sync_now is for outer_overlap='delayed' or 'eager'")
+        _require(group not in self._in_flight, f"group {group} has an exchange in flight: settle first")
+        state, self._in_flight[group] = self.overlapped.sync(state, group)
+        if self._last_state is not None:
+            self._last_state = state
+        return state
+
     def drain(self, state: TrainState) -> TrainState:
         """When training is over: land every exchange still on its way in the global model.
 

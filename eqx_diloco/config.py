@@ -82,7 +82,7 @@ class TrainConfig:
     eval_sequences: int = 32
     """held-out sequences per evaluation."""
     final_sync: bool = True
-    """DiLoCo: after the last step, one blocking outer sync of every parameter group whose last sync is older than that step, so every inner step reaches the evaluated and exported global model; with `--diloco.outer-overlap` delayed / eager, the last round's exchange of every group is landed instead (`DiLoCo.drain`, no extra bytes) (`--train.no-final-sync` evaluates the model of the last scheduled sync, as the papers' curves do)."""
+    """DiLoCo: after the last step, one blocking outer sync of every parameter group whose last sync is older than that step, so every inner step reaches the evaluated and exported global model; with `--diloco.outer-overlap` delayed / eager those groups take one more outer step and every group's last exchange is landed (`DiLoCo.drain`) (`--train.no-final-sync` evaluates the model of the last scheduled sync, as the papers' curves do)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """what to do when a replica's loss or outer gradient is NaN/Inf: `stop` with an error, or `skip` that replica's step or sync contribution."""
 

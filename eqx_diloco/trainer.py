@@ -235,26 +235,20 @@ class Trainer:
         Without it, the inner steps after a group's last scheduled sync (a run shorter than H, or
         `--train.steps` not a multiple of H, and with P > 1 every fragment but the one that synced
         at `t`) would never reach the global model that is evaluated and exported. The replicas
-        are not merged (training is over). With `--diloco.outer-overlap` delayed / eager every
-        group has just synced (or will never); what is missing is each group's last exchange,
-        which `drain` lands (no bytes are sent). Returns (state, the groups synced).
+        are not merged (training is over). With `--diloco.outer-overlap` delayed / eager those
+        groups take one more (eager / delayed) outer step, and then every group's last exchange,
+        which no later sync would use, is landed (`DiLoCo.drain`). Returns (state, the groups synced).
         """
         if not self.diloco or not self.config.train.final_sync:
             return state, []
-        if self.core.overlapped is not None:
-            state = self.core.drain(self.install_pending(state))  # the arrived exchanges' finite flags checked first
-            self._check_global(t, all_finite(state.global_params))
-            return state, []
         state = self.install_pending(state)
-        d = self.config.diloco
-        stale = []
-        for g in range(len(self.groups)):
-            if g == self.router_group:
-                last = t - t % d.router_sync_period
-            else:
-                last = max(schedule.sync_steps(g, d.sync_period, self.num_fragments, t), default=0)
-            if last < t:
-                stale.append(g)
+        stale = self._stale_groups(t)
+        if self.core.overlapped is not None:
+            for g in stale:
+                state = self.core.sync_now(state, g)
+            state = self.core.drain(self.install_pending(state))  # their finite flags checked first
+            self._check_global(t, all_finite(state.global_params))
+            return state, stale
         flags = []
         for g in stale:
             state, finite = self.outer.sync(state, g)
@@ -265,6 +259,19 @@ class Trainer:
                 self._check_sync(t, self.gather({"f": finite})["f"])
             self._check_global(t, all_finite(state.global_params))
         return state, stale
+
+    def _stale_groups(self, t: int) -> list[int]:
+        """The parameter groups whose last sync is older than step t."""
+        d = self.config.diloco
+        stale = []
+        for g in range(len(self.groups)):
+            if g == self.router_group:
+                last = t - t % d.router_sync_period
+            else:
+                last = max(schedule.sync_steps(g, d.sync_period, self.num_fragments, t), default=0)
+            if last < t:
+                stale.append(g)
+        return stale
 
     # -- the loop -----------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ Nesterov momentum is written out), float32 exchanges. Per group g synced at its 
     eager:    a_m <- NesterovSGD_m(a_m, Delta_m / R + Dbar - Delta_m(prev) / R)
     theta_m[g] <- a_m[g];  the exchange of this round's Delta's goes in flight.
 
-With `drain`, after the last step every group's last exchange lands: the remainder no step
-used (eager: Dbar - Delta_m / R; delayed: Dbar) amends the last outer step, which for
-Nesterov SGD means a -= lr (1 + mu) rem, and theta_m[g] <- a_m[g].
+With `drain` (the trainer's final sync), after the last step every group whose last sync is
+older than it takes one more outer step as above; then every group's last exchange lands:
+the remainder no step used (eager: Dbar - Delta_m / R; delayed: Dbar) amends the last outer
+step, which for Nesterov SGD means a -= lr (1 + mu) rem, and theta_m[g] <- a_m[g].
 """
 
 import jax
@@ -58,13 +59,7 @@ def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, 
             updates, o = inner_opt.update(grads, o, jax.tree.unflatten(treedef, p))
         return [a + b for a, b in zip(p, jax.tree.leaves(updates))], o, loss
 
-    losses = []
-    for step in range(steps):
-        theta, opt_state, loss = inner(theta, opt_state, batches(step))
-        losses.append(np.asarray(loss))
-        g = schedule.synced_fragment(step + 1, H, P)
-        if g is None:
-            continue
+    def sync(g, theta, anchor, momentum):
         delta = [a - x for a, x in zip(anchor, theta)]
         zeros = ([jnp.zeros_like(d[0]) for d in delta], [jnp.zeros_like(d) for d in delta])
         mean_prev, own_prev = in_flight.get(g, zeros)
@@ -79,7 +74,20 @@ def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, 
         anchor = [jnp.where(k, a1, a0) for k, a1, a0 in zip(mask, new_anchor, anchor)]
         theta = [jnp.where(k, a, x) for k, a, x in zip(mask, anchor, theta)]
         in_flight[g] = ([jnp.mean(d, axis=0) for d in delta], delta)
+        return theta, anchor, momentum
+
+    losses, last_sync = [], {}
+    for step in range(steps):
+        theta, opt_state, loss = inner(theta, opt_state, batches(step))
+        losses.append(np.asarray(loss))
+        g = schedule.synced_fragment(step + 1, H, P)
+        if g is not None:
+            theta, anchor, momentum = sync(g, theta, anchor, momentum)
+            last_sync[g] = step + 1
     if drain:
+        for g in range(P):  # the final sync: groups with inner steps after their last sync step once more
+            if last_sync.get(g, 0) < steps:
+                theta, anchor, momentum = sync(g, theta, anchor, momentum)
         for g, (mean, own) in sorted(in_flight.items()):
             rem = [jnp.broadcast_to(m, o.shape) - (o / R if mode == "eager" else 0) for m, o in zip(mean, own)]
             new_anchor = [a - lr * (1 + mu) * r for a, r in zip(anchor, rem)]

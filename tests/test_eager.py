@@ -8,7 +8,7 @@ import pytest
 
 from custom_model import DEPTH, StackedMLP, loss_fn, make_batch
 from eager_reference import reference_overlapped
-from eqx_diloco import Checkpointer, ConfigError, DiLoCo
+from eqx_diloco import Checkpointer, ConfigError, DiLoCo, schedule
 from eqx_diloco.fragments import stack_flags
 
 LR, MU = 0.7, 0.9
@@ -30,17 +30,13 @@ def _run(diloco, model, steps, batches):
     return np.stack(losses), state
 
 
-@pytest.mark.parametrize("drain", [False, True])
 @pytest.mark.parametrize("num_fragments", [1, 3])
 @pytest.mark.parametrize("mode", ["delayed", "eager"])
-def test_trainer_matches_the_paper_equations(mode, num_fragments, drain):
+def test_trainer_matches_the_paper_equations(mode, num_fragments):
     R, H, steps = 2, 6, 27  # 4 rounds of every fragment, plus a partial one
     model = StackedMLP(key=jax.random.key(0))
     diloco = _core(mode, num_fragments=num_fragments)
     losses, state = _run(diloco, model, steps, lambda s: make_batch(s, R))
-    if drain:
-        state = diloco.drain(state)
-        assert not diloco._in_flight
 
     params = eqx.filter(model, eqx.is_inexact_array)
     in_stack, _ = stack_flags(params, lambda m: m.blocks)
@@ -49,18 +45,29 @@ def test_trainer_matches_the_paper_equations(mode, num_fragments, drain):
         (loss, _), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(eqx.combine(p, model), batch, None)
         return loss, grads
 
-    ref_losses, ref_theta, ref_anchor = reference_overlapped(
-        mode, params, inner_opt=optax.adam(1e-2), grad_fn=grad_fn, batches=lambda s: make_batch(s, R),
-        R=R, H=H, P=num_fragments, lr=LR, mu=MU, depth=DEPTH, in_stack=in_stack, steps=steps, drain=drain,
-    )
-    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(state.params), ref_theta):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    anchors = jax.tree.leaves(state.global_params)
-    for got, want in zip(anchors, ref_anchor):
-        np.testing.assert_allclose(got, want if mode == "eager" else want[0], rtol=1e-4, atol=1e-5)
-    if mode == "eager":  # the eager term makes the replicas' anchors differ
-        assert any(not np.allclose(a[0], a[1]) for a in anchors)
+    def check(state, drain):
+        ref_losses, ref_theta, ref_anchor = reference_overlapped(
+            mode, params, inner_opt=optax.adam(1e-2), grad_fn=grad_fn, batches=lambda s: make_batch(s, R),
+            R=R, H=H, P=num_fragments, lr=LR, mu=MU, depth=DEPTH, in_stack=in_stack, steps=steps, drain=drain,
+        )
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
+        for got, want in zip(jax.tree.leaves(state.params), ref_theta):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        anchors = jax.tree.leaves(state.global_params)
+        for got, want in zip(anchors, ref_anchor):
+            np.testing.assert_allclose(got, want if mode == "eager" else want[0], rtol=1e-4, atol=1e-5)
+        if mode == "eager":  # the eager term makes the replicas' anchors differ
+            assert any(not np.allclose(a[0], a[1]) for a in anchors)
+
+    check(jax.device_get(state), drain=False)
+    # As the trainer's final sync: stale groups take one more outer step, then every exchange lands.
+    state, _ = diloco.settle(state)
+    for g in range(num_fragments):
+        if max(schedule.sync_steps(g, H, num_fragments, steps), default=0) < steps:
+            state = diloco.sync_now(state, g)
+    state = diloco.drain(state)
+    assert not diloco._in_flight
+    check(state, drain=True)
 
 
 def test_eager_with_one_replica_is_blocking_diloco():
@@ -167,15 +174,25 @@ def test_compile_checks_of_the_overlapped_programs():
         assert jax.tree.structure(installed) == jax.tree.structure(state)
 
 
+def test_sync_now_is_refused_where_it_does_not_apply():
+    with pytest.raises(ConfigError, match="sync_now is for outer_overlap"):
+        _core("none").sync_now(None, 0)
+    diloco = _core("eager")
+    _, state = _run(diloco, StackedMLP(key=jax.random.key(0)), 6, lambda s: make_batch(s, 2))
+    with pytest.raises(ConfigError, match="group 0 has an exchange in flight"):
+        diloco.sync_now(state, 0)
+
+
 def test_trainer_lands_the_last_exchange_unless_told_not_to(tmp_path):
     from conftest import tiny_config
     from eqx_diloco.trainer import Trainer
 
     def run(name, final_sync):
         config = tiny_config(tmp_path / name, diloco=dict(outer_overlap="eager", num_fragments=3, sync_period=3),
-                             model=dict(num_layers=4), train=dict(steps=12, final_sync=final_sync))
+                             model=dict(num_layers=4), train=dict(steps=13, final_sync=final_sync))
         trainer = Trainer(config, verbose=False)
         summary = trainer.run()
+        assert summary["final_sync_groups"] == ([1, 2] if final_sync else [])  # H = 3, P = 3: fragment 0 synced at 13
         return summary["eval_loss"], trainer.state
 
     landed_loss, landed = run("landed", True)
