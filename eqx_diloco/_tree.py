@@ -17,6 +17,16 @@ def all_finite(tree: PyTree) -> Bool[Array, ""]:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def row_finite(tree: PyTree) -> Bool[Array, " R"]:
+    """Per row of the leading axis: whether every element of that row of every leaf is finite.
+
+    Reduces only within rows, so leaves sharded by row (per-replica values) need no
+    cross-device communication.
+    """
+    rows = [jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(rows), axis=0)
+
+
 def squeeze_replica(tree: PyTree) -> PyTree:
     """Drop the local replica axis (of length 1) that every leaf carries inside a shard_map body."""
     return jax.tree.map(lambda x: x[0], tree)

@@ -29,6 +29,7 @@ from ._diloco import DiLoCo
 from ._elastic import REFORM_EXIT_CODE, IslandSnapshots
 from ._errors import NonFiniteError
 from ._tensorboard import TensorBoardLog
+from ._tree import row_finite
 from .checkpoint import Checkpointer, CheckpointSaveError
 from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
@@ -195,6 +196,10 @@ class Trainer:
             self.router_drift = jax.jit(lambda state: router_drift(state.params, flags))
         self.lr_schedule = inner_schedule(t)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("diloco", "data"))
+        # Eager anchors are per replica: one flag per row, read with the metrics. all_finite over
+        # them would be a collective across processes, which on a slow link waits behind the
+        # exchange just launched.
+        self._row_finite = jax.jit(row_finite, out_shardings=NamedSharding(self.mesh, PartitionSpec("diloco")))
         self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, PartitionSpec()))
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
         ck = config.checkpoint
@@ -325,9 +330,9 @@ class Trainer:
             raise self._all_skipped(t, "outer gradient")
         return bad
 
-    def _check_global(self, t: int, flag: jax.Array | None) -> None:
+    def _check_global(self, t: int, flag: jax.Array | bool | None) -> None:
         """Stop (under either policy) if the global model is non-finite after an outer step."""
-        if flag is not None and not bool(replicated_value(flag)):
+        if flag is not None and not (flag if isinstance(flag, bool) else bool(replicated_value(flag))):
             raise NonFiniteError(
                 f"the global model is non-finite after the outer step at step {t} (--train.on-nonfinite "
                 f"{self.config.train.on_nonfinite}); lower --diloco.outer-lr or --train.lr, or resume an earlier "
@@ -464,7 +469,10 @@ class Trainer:
             finite, drift = metrics.pop("sync_finite", None), metrics.pop("before_sync", None)
             synced, applied = metrics.pop("synced_fragment"), metrics.pop("applied_fragment")
             # After an outer step, whether theta_g is still finite (read with the step's metrics, one step late).
-            global_finite = all_finite(state.global_params) if self.diloco and finite is not None else None
+            global_finite = None
+            if self.diloco and finite is not None:
+                per_row = self.core.outer_overlap == "eager"
+                global_finite = (self._row_finite if per_row else all_finite)(state.global_params)
             sent += self.sent_bytes_at(t)
             peak = max(peak, self.sent_bytes_at(t))
             wire += self.core.wire_bytes_at(t)
@@ -564,7 +572,12 @@ class Trainer:
         if pending["finite"] is not None:
             arrays["sync_finite"] = pending["finite"]
         arrays["stop_signal"] = self._stop_rows()  # every process's SIGTERM/SIGHUP, so all stop at one step
+        global_finite = pending["global_finite"]
+        if global_finite is not None and global_finite.ndim == 1:  # one flag per replica row
+            arrays["global_finite"] = global_finite
         m = self.gather(arrays)
+        if "global_finite" in m:
+            global_finite = bool(np.all(m.pop("global_finite")))
         agreed = int(np.max(m.pop("stop_signal")))
         if agreed == signal.SIGUSR1:
             self._reform_due = True
@@ -587,7 +600,7 @@ class Trainer:
             fatal = self._all_skipped(t, "outer gradient")
         if fatal is None:
             try:
-                self._check_global(t, pending["global_finite"])
+                self._check_global(t, global_finite)
             except NonFiniteError as e:
                 fatal = e
         event = pending["synced"] is not None or pending["applied"] is not None or pending["router_drift"] is not None
