@@ -101,23 +101,19 @@ def _poison(monkeypatch, at_step: int, what: str):
     monkeypatch.setattr(DiLoCo, "outer_steps", outer_steps)
 
 
-def test_skip_stops_when_the_global_model_goes_non_finite(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--train.on-nonfinite", "skip"],
+        # Eager anchors are per replica: their finiteness travels with the metrics rows (no collective).
+        ["--diloco.outer-overlap", "eager"],
+    ],
+    ids=["skip", "eager"],
+)
+def test_the_run_stops_when_the_global_model_goes_non_finite(tmp_path, capsys, monkeypatch, flags):
     _poison(monkeypatch, at_step=4, what="global_params")
     run = tmp_path / "run"
-    code = main([*TINY, "--run-dir", str(run), "--train.steps", "12", "--checkpoint.every", "0",
-                 "--train.on-nonfinite", "skip"])
-    err = capsys.readouterr().err
-    assert code == 1
-    assert err.count("\n") == 1 and "the global model is non-finite after the outer step at step 4" in err, err
-    assert max(r["step"] for r in _strict_json_lines(run / "metrics.jsonl")) <= 5  # stopped at once
-
-
-def test_eager_stops_when_an_anchor_goes_non_finite(tmp_path, capsys, monkeypatch):
-    # Eager anchors are per replica: their finiteness travels with the metrics rows (no collective).
-    _poison(monkeypatch, at_step=4, what="global_params")
-    run = tmp_path / "run"
-    code = main([*TINY, "--run-dir", str(run), "--train.steps", "12", "--checkpoint.every", "0",
-                 "--diloco.outer-overlap", "eager"])
+    code = main([*TINY, "--run-dir", str(run), "--train.steps", "12", "--checkpoint.every", "0", *flags])
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("\n") == 1 and "the global model is non-finite after the outer step at step 4" in err, err
