@@ -123,6 +123,8 @@ class DistributedConfig:
     """this process's index (default: $JAX_PROCESS_ID)."""
     heartbeat_timeout_s: int = 30
     """seconds without a heartbeat after which the other processes give up on a dead one."""
+    metrics_lag: int = 8
+    """steps by which reading the other processes' per-step values (losses, finite flags, stop requests) may trail training. That exchange goes through the coordinator over the same link as the syncs, where it can queue behind a whole outer gradient; with a lag it never stalls a step. Non-finite checks and agreed stops act up to this many steps late; evaluations, checkpoints and elastic sync boundaries still wait for everything. 0 = wait every step. Single-process runs read their values at once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +233,7 @@ def validate(config: Config) -> None:
         ("--diloco.overlap-steps", d.overlap_steps),
         ("--diloco.router-sync-period", d.router_sync_period),
         ("--checkpoint.every", config.checkpoint.every),
+        ("--dist.metrics-lag", config.dist.metrics_lag),
     ]:
         _require(value >= 0, f"{flag} must be >= 0 (got {value})")
     _require(config.checkpoint.keep >= 1, f"--checkpoint.keep must be >= 1 (got {config.checkpoint.keep})")

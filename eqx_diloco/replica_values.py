@@ -6,9 +6,17 @@ wait for the devices it runs on, including the communication devices that are bu
 an overlapped sync (and gloo runs CPU collectives one at a time), so training would stall
 exactly where it should overlap. Instead every process publishes the rows it holds
 through the coordinator's key-value store, a host-side channel, and reads the others'.
+
+That channel crosses the same link as the syncs' bytes: on a slow link a key-value request
+can wait behind a whole outer gradient in the link's queue. So the exchange runs on a
+background thread (`ReplicaGather.submit`) and the training loop reads its result a few
+steps later (`--dist.metrics-lag`) instead of waiting for it at every step.
 """
 
 import pickle
+import queue
+import threading
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -52,25 +60,55 @@ class ReplicaGather:
     def __init__(self, timeout_s: int = 300):
         self.timeout_ms = timeout_s * 1000
         self.calls = 0
+        self._jobs: queue.SimpleQueue | None = None  # the exchange thread's work, started on first use
 
     def __call__(self, arrays: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+        """Gather now (after every earlier `submit`)."""
+        return self.submit(arrays).result()
+
+    def submit(self, arrays: dict[str, jax.Array]) -> "Future[dict[str, np.ndarray]]":
+        """Start a gather; the future holds what `__call__` returns.
+
+        This process's rows are read here (waiting for their computation); the exchange with
+        the other processes runs on one background thread, in call order, so a slow link holds
+        up the future, not the caller.
+        """
+        done: Future = Future()
         if jax.process_count() == 1:
-            return {k: np.asarray(v) for k, v in arrays.items()}
+            done.set_result({k: np.asarray(v) for k, v in arrays.items()})
+            return done
         client = _kv_client()
         if client is None:  # a JAX without the private client: a device collective (may wait on syncs)
             from jax.experimental import multihost_utils
 
-            return {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in arrays.items()}
-        key = f"eqx_diloco/replica_values/{self.calls}"
-        self.calls += 1
+            done.set_result({k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in arrays.items()})
+            return done
         rows = {name: _local_rows(x) for name, x in arrays.items()}
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            # A daemon: a process that fails while an exchange waits on a dead peer must still exit.
+            threading.Thread(target=self._work, args=(client,), name="eqx_diloco-replica-gather", daemon=True).start()
+        self._jobs.put((done, self.calls, rows))
+        self.calls += 1
+        return done
+
+    def _work(self, client) -> None:
+        while True:
+            done, call, rows = self._jobs.get()
+            try:
+                done.set_result(self._exchange(client, call, rows))
+            except BaseException as e:  # handed to whoever reads the future
+                done.set_exception(e)
+
+    def _exchange(self, client, call: int, rows: dict[str, dict[int, np.ndarray]]) -> dict[str, np.ndarray]:
+        key = f"eqx_diloco/replica_values/{call}"
         client.key_value_set_bytes(f"{key}/{jax.process_index()}", pickle.dumps(rows))
         for p in range(jax.process_count()):
             if p != jax.process_index():
                 theirs = pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", self.timeout_ms))
                 for name, their_rows in theirs.items():
                     rows[name].update(their_rows)
-        if self.calls > 1:
+        if call > 0:
             # Everyone has published this call, so everyone has read our previous one.
-            client.key_value_delete(f"eqx_diloco/replica_values/{self.calls - 2}/{jax.process_index()}")
+            client.key_value_delete(f"eqx_diloco/replica_values/{call - 1}/{jax.process_index()}")
         return {name: np.stack([r[i] for i in sorted(r)]) for name, r in rows.items()}

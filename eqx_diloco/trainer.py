@@ -1,9 +1,12 @@
 """The host loop: dispatch steps, run outer syncs on schedule, log, evaluate, checkpoint.
 
 Step t+1 is dispatched before step t's metrics are read (so the host never idles the
-devices while it formats a log line); only evaluations and the end block.
+devices while it formats a log line); only evaluations and the end block. Across processes,
+the exchange of step t's per-replica values runs in the background and is read
+`--dist.metrics-lag` steps later, so a slow link never holds up a step.
 """
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -202,6 +205,9 @@ class Trainer:
         self._row_finite = jax.jit(row_finite, out_shardings=NamedSharding(self.mesh, PartitionSpec("diloco")))
         self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, PartitionSpec()))
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
+        # Steps the other processes' per-step values may trail the loop (their exchange can queue
+        # behind a sync's bytes on a slow link); a single process has nothing to wait for.
+        self.metrics_lag = config.dist.metrics_lag if jax.process_count() > 1 else 0
         ck = config.checkpoint
         self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)
         self.island = self.islands[jax.process_index()] if self.elastic else None
@@ -444,6 +450,7 @@ class Trainer:
         wire = sum(self.core.wire_bytes_at(s) for s in range(1, start + 1))
         tokens_per_step = config.diloco.num_replicas * t_cfg.batch_size * t_cfg.seq_len
         pending = None  # step t's device-side metrics, read after step t+1 is dispatched
+        inflight: collections.deque = collections.deque()  # read, their cross-process exchange running
         eval_loss_value = None
         # Compilation is a phase of its own: say so, and how long it took once the first step ran.
         compile_start = time.perf_counter()
@@ -453,7 +460,7 @@ class Trainer:
         if start == 0 and t_cfg.eval_every:  # the starting point, so the curve shows the fall
             eval_loss_value = self._evaluate(state, 0, display if show else None)
         self._compile_note = None
-        last_time, last_step = time.perf_counter(), start
+        timer = (time.perf_counter(), start)  # when the last logged step was read, and which step
         final_synced: list[int] = []
         for step in range(start, T):
             t = step + 1
@@ -477,7 +484,8 @@ class Trainer:
             peak = max(peak, self.sent_bytes_at(t))
             wire += self.core.wire_bytes_at(t)
             if pending is not None:
-                last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
+                inflight.append(self._publish(pending))
+                timer = self._emit_through(inflight, self.metrics_lag, display, tokens_per_step, timer)
             pending = dict(step=t, metrics=metrics, finite=finite, synced=synced, applied=applied, sent=sent,
                            wire=wire, peak=peak, router_drift=drift, global_finite=global_finite)
             final = t == T
@@ -485,8 +493,9 @@ class Trainer:
                 # Step t's line first (its gather is where a lost island shows): an island never holds
                 # a snapshot of a step whose metrics line is missing. Then the snapshot (it blocks until
                 # step t is computed, once per sync; the write itself is asynchronous).
-                last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
+                inflight.append(self._publish(pending))
                 pending = None
+                timer = self._emit_through(inflight, 0, display, tokens_per_step, timer)
                 self.snapshots.write(self.core.island_snapshot(state, island=self.island))
                 if self._reform_due and not final:
                     self.snapshots.wait()
@@ -500,8 +509,9 @@ class Trainer:
                 state = self.install_pending(state)
                 # Read step t's finiteness first: a diverged state must never be checkpointed.
                 if pending is not None:
-                    last_time, last_step = self._emit(pending, display, tokens_per_step, last_time, last_step)
+                    inflight.append(self._publish(pending))
                     pending = None
+                timer = self._emit_through(inflight, 0, display, tokens_per_step, timer)
                 if self._stop_signal and not final and not stop:  # agreed on in that very exchange
                     stop = save_due = True
             if final:
@@ -519,7 +529,7 @@ class Trainer:
                     display.log("the last round's exchange of every parameter group landed in the global model")
             if eval_due:
                 eval_loss_value = self._evaluate(state, t, display if show else None)
-                last_time = time.perf_counter()  # do not charge the evaluation to training throughput
+                timer = (time.perf_counter(), timer[1])  # do not charge the evaluation to training throughput
             if save_due:
                 state = self.core.save(self.checkpointer, state, metadata=config)
             if stop:
@@ -530,7 +540,8 @@ class Trainer:
                          if self.checkpointer.every > 0 else "checkpointing is off (--checkpoint.every 0): nothing saved")
                 raise TrainingStopped(f"stopped by {name} at step {t}; {where}", signum=self._stop_signal, step=t)
         if pending is not None:
-            self._emit(pending, display, tokens_per_step, last_time, last_step)
+            inflight.append(self._publish(pending))
+        self._emit_through(inflight, 0, display, tokens_per_step, timer)
         self.state = state
         return {
             "finished": True,
@@ -565,9 +576,9 @@ class Trainer:
             )
         return value
 
-    def _emit(self, pending, display, tokens_per_step, last_time, last_step):
-        """Read step t's metrics (already computed), check them, log them. Returns the new timer."""
-        t = pending["step"]
+    def _publish(self, pending: dict[str, Any]) -> dict[str, Any]:
+        """Read step t's values on this process (waits for step t) and start their exchange with
+        the other processes, which `_emit` waits for."""
         arrays = dict(pending["metrics"])
         if pending["finite"] is not None:
             arrays["sync_finite"] = pending["finite"]
@@ -575,7 +586,23 @@ class Trainer:
         global_finite = pending["global_finite"]
         if global_finite is not None and global_finite.ndim == 1:  # one flag per replica row
             arrays["global_finite"] = global_finite
-        m = self.gather(arrays)
+        return dict(pending, gathered=self.gather.submit(arrays), read_at=time.perf_counter())
+
+    def _emit_through(self, inflight: collections.deque, keep: int, display, tokens_per_step, timer):
+        """Emit the published steps, oldest first, until at most `keep` remain in flight.
+
+        Every process emits the same steps at the same point of the loop (the count decides, not
+        which exchanges happen to have finished), so decisions taken from the gathered values (an
+        agreed stop, a re-form) fall on the same step everywhere."""
+        while len(inflight) > keep:
+            timer = self._emit(inflight.popleft(), display, tokens_per_step, *timer)
+        return timer
+
+    def _emit(self, pending, display, tokens_per_step, last_time, last_step):
+        """Check and log step t's gathered values (waiting for their exchange). Returns the new timer."""
+        t = pending["step"]
+        m = pending["gathered"].result()
+        global_finite = pending["global_finite"]
         if "global_finite" in m:
             global_finite = bool(np.all(m.pop("global_finite")))
         agreed = int(np.max(m.pop("stop_signal")))
@@ -609,7 +636,7 @@ class Trainer:
             self._compile_note = None
         if t % self.config.train.log_every and t != self.config.train.steps and not event and fatal is None:
             return last_time, last_step
-        now = time.perf_counter()
+        now = pending["read_at"]  # when step t was done here, however late its exchange finished
         tokens_per_s = (t - last_step) * tokens_per_step / max(now - last_time, 1e-9)
         replica_losses = [float(x) for x in m["loss"]]
         record = {

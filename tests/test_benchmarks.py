@@ -150,3 +150,18 @@ def test_markdown_table_and_jsonable():
     assert text.splitlines() == ["| A | B |", "|---|---|", "| 1 | - |"]
     assert _common.jsonable({"x": jnp.float32(1.5), "y": float("nan"), "p": pathlib.Path("a")}) == {
         "x": 1.5, "y": "nan", "p": "a"}
+
+
+def test_overlap_summary_takes_medians_and_ranges_over_repeats():
+    from benchmarks.overlap import summarize
+
+    def repeat(compute, eager):
+        return {name: {"s_per_step": s, "bytes_per_sync": 0 if name == "compute_only" else 5, "steps": 9,
+                       "timed_after_step": 3} for name, s in (("compute_only", compute), ("eager", eager))}
+
+    out = summarize([repeat(0.2, 0.25), repeat(0.3, 0.3), repeat(0.2, 0.4)])
+    assert out["eager"]["s_per_step"] == 0.3
+    # Utilization is taken per repeat against that repeat's compute_only: 0.8, 1.0, 0.5.
+    assert out["eager"]["compute_utilization"] == pytest.approx(0.8)
+    assert (out["eager"]["compute_utilization_min"], out["eager"]["compute_utilization_max"]) == pytest.approx((0.5, 1.0))
+    assert out["compute_only"]["compute_utilization"] == 1.0 and out["eager"]["bytes_per_sync"] == 5

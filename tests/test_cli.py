@@ -28,6 +28,7 @@ BAD = [
     (["--diloco.num-fragments", "2", "--model.num-layers", "4", "--diloco.sync-period", "8",
       "--diloco.overlap-steps", "4"], "--diloco.overlap-steps must be < sync-period / num-fragments"),
     (["--diloco.overlap-steps", "-1"], "--diloco.overlap-steps must be >= 0"),
+    (["--dist.metrics-lag", "-1"], "--dist.metrics-lag must be >= 0"),
     (["--diloco.alpha", "1.5"], "--diloco.alpha must be in [0, 1]"),
     (["--diloco.alpha", "-0.1"], "--diloco.alpha must be in [0, 1]"),
     (["--algorithm", "ddp", "--diloco.num-fragments", "2"], "--diloco.num-fragments applies to --algorithm diloco"),
