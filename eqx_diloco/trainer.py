@@ -506,11 +506,13 @@ class Trainer:
             eval_due = final or bool(t_cfg.eval_every and t % t_cfg.eval_every == 0)
             save_due = self.checkpointer.due(t) or final or stop
             if eval_due or save_due:
-                state = self.install_pending(state)
-                # Read step t's finiteness first: a diverged state must never be checkpointed.
+                # Step t's values are read before the in-flight syncs settle, so its time is when it
+                # was computed (waiting for a sync is the evaluation's or checkpoint's cost, not the step's).
                 if pending is not None:
                     inflight.append(self._publish(pending))
                     pending = None
+                state = self.install_pending(state)
+                # Check step t's finiteness first: a diverged state must never be checkpointed.
                 timer = self._emit_through(inflight, 0, display, tokens_per_step, timer)
                 if self._stop_signal and not final and not stop:  # agreed on in that very exchange
                     stop = save_due = True
