@@ -99,7 +99,9 @@ def summarize(repeats: list[dict[str, dict]]) -> dict[str, dict]:
         cu = [r["compute_only"]["s_per_step"] / run["s_per_step"] for r, run in zip(repeats, runs)]
         out[name] = {"s_per_step": statistics.median(run["s_per_step"] for run in runs),
                      "compute_utilization": statistics.median(cu), "compute_utilization_min": min(cu),
-                     "compute_utilization_max": max(cu), "s_per_step_repeats": [run["s_per_step"] for run in runs],
+                     "compute_utilization_max": max(cu), "compute_utilization_mean": statistics.fmean(cu),
+                     "compute_utilization_sd": statistics.stdev(cu) if len(cu) > 1 else 0.0,
+                     "compute_utilization_repeats": cu, "s_per_step_repeats": [run["s_per_step"] for run in runs],
                      "bytes_per_sync": runs[0]["bytes_per_sync"], "steps": runs[0]["steps"],
                      "timed_after_step": runs[0]["timed_after_step"]}
     return out
@@ -160,12 +162,13 @@ def main(argv=None) -> int:
           f"(timed after step {args.warmup}; eager: after step {max(args.warmup, 2 * H + 1)}; ddp: "
           f"{results['ddp']['steps'] if 'ddp' in results else '-'} steps timed after step 3), {args.repeats} "
           f"repeat(s), model flags: {args.model_flags}\n")
-    print("| method | s/step (median) | compute utilization (median) | range over repeats | bytes per sync |")
-    print("|---|---|---|---|---|")
+    print("| method | s/step (median) | compute utilization (median) | range over repeats | mean +- sd | bytes per sync |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
         sent = "-" if name == "compute_only" else f"{r['bytes_per_sync'] / 1e6:.2f} MB"
         spread = f"{r['compute_utilization_min']:.2f}-{r['compute_utilization_max']:.2f}"
-        print(f"| {name} | {r['s_per_step']:.3f} | {r['compute_utilization']:.2f} | {spread} | {sent} |")
+        mean = f"{r['compute_utilization_mean']:.3f} +- {r['compute_utilization_sd']:.3f}"
+        print(f"| {name} | {r['s_per_step']:.3f} | {r['compute_utilization']:.2f} | {spread} | {mean} | {sent} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"link": args.bandwidth, "sync_period": H, "num_fragments": P,

@@ -124,7 +124,7 @@ class DistributedConfig:
     heartbeat_timeout_s: int = 30
     """seconds without a heartbeat after which the other processes give up on a dead one."""
     metrics_lag: int = 8
-    """steps by which reading the other processes' per-step values (losses, finite flags, stop requests) may trail training. That exchange goes through the coordinator over the same link as the syncs, where it can queue behind a whole outer gradient; with a lag it never stalls a step. Non-finite checks and agreed stops act up to this many steps late; evaluations, checkpoints and elastic sync boundaries still wait for everything. 0 = wait every step. Single-process runs read their values at once."""
+    """steps by which reading the other processes' per-step values (losses, finite flags, stop requests) may trail training. That exchange takes round trips to the coordinator over the same link as the syncs (where it can also queue behind an outer gradient); with a lag they overlap the next steps instead of delaying each one. Non-finite checks and agreed stops act this many steps late; evaluations, checkpoints and elastic sync boundaries still wait for everything. 0 = wait every step. Single-process runs read their values at once."""
 
 
 @dataclasses.dataclass(frozen=True)

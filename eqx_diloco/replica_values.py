@@ -7,10 +7,10 @@ an overlapped sync (and gloo runs CPU collectives one at a time), so training wo
 exactly where it should overlap. Instead every process publishes the rows it holds
 through the coordinator's key-value store, a host-side channel, and reads the others'.
 
-That channel crosses the same link as the syncs' bytes: on a slow link a key-value request
-can wait behind a whole outer gradient in the link's queue. So the exchange runs on a
-background thread (`ReplicaGather.submit`) and the training loop reads its result a few
-steps later (`--dist.metrics-lag`) instead of waiting for it at every step.
+That channel costs round trips to the coordinator over the same link as the syncs' bytes
+(where a request can also wait behind an outer gradient in the link's queue). So the
+exchange runs on a background thread (`ReplicaGather.submit`) and the training loop reads
+its result a few steps later (`--dist.metrics-lag`) instead of waiting for it every step.
 """
 
 import pickle

@@ -3,7 +3,7 @@
 Step t+1 is dispatched before step t's metrics are read (so the host never idles the
 devices while it formats a log line); only evaluations and the end block. Across processes,
 the exchange of step t's per-replica values runs in the background and is read
-`--dist.metrics-lag` steps later, so a slow link never holds up a step.
+`--dist.metrics-lag` steps later, so its round trips over a slow link do not delay every step.
 """
 
 import collections

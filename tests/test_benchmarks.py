@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import statistics
 import sys
 
 import equinox as eqx
@@ -164,4 +165,6 @@ def test_overlap_summary_takes_medians_and_ranges_over_repeats():
     # Utilization is taken per repeat against that repeat's compute_only: 0.8, 1.0, 0.5.
     assert out["eager"]["compute_utilization"] == pytest.approx(0.8)
     assert (out["eager"]["compute_utilization_min"], out["eager"]["compute_utilization_max"]) == pytest.approx((0.5, 1.0))
+    assert out["eager"]["compute_utilization_mean"] == pytest.approx(2.3 / 3)
+    assert out["eager"]["compute_utilization_sd"] == pytest.approx(statistics.stdev([0.8, 1.0, 0.5]))
     assert out["compute_only"]["compute_utilization"] == 1.0 and out["eager"]["bytes_per_sync"] == 5
