@@ -21,8 +21,8 @@ s/step is measured from the metrics' timestamps after a warm-up that covers ever
 program's compilation (the first sync of every fragment); ddp, whose steps are all alike
 and slow, runs fewer steps. compute_utilization is compute_only's s/step divided by the
 method's, within one repeat; with `--repeats N` every method runs N times, interleaved
-(so a slow spell of the machine hits every method alike), and the table gives the median
-and the range over repeats. Needs root (network namespaces).
+(so a slow spell of the machine hits every method alike), and the table gives the median,
+the range and the mean +- sd over repeats. Needs root (network namespaces).
 
     python -m benchmarks.overlap --quick --repeats 3 --json benchmarks/results/overlap.json
 """
@@ -55,7 +55,7 @@ def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
         # The paper's bandwidth claims are for 4-bit payloads: the same with int4 + error feedback.
         "eager_int4": ["--diloco.sync-period", str(H), "--diloco.outer-overlap", "eager", *int4],
         "streaming_eager_int4": [*stream, "--diloco.outer-overlap", "eager", *int4],
-        # Every step waits for the per-step metrics exchange, which queues behind the exchange's bytes.
+        # Every step waits for the per-step metrics exchange (round trips over the same link as the exchange).
         "eager_metrics_lag0": ["--diloco.sync-period", str(H), "--diloco.outer-overlap", "eager",
                                "--dist.metrics-lag", "0"],
     }
