@@ -205,8 +205,8 @@ class Trainer:
         self._row_finite = jax.jit(row_finite, out_shardings=NamedSharding(self.mesh, PartitionSpec("diloco")))
         self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, PartitionSpec()))
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
-        # Steps the other processes' per-step values may trail the loop (their exchange can queue
-        # behind a sync's bytes on a slow link); a single process has nothing to wait for.
+        # Steps the other processes' per-step values may trail the loop (their exchange costs round
+        # trips to the coordinator over the syncs' link); a single process has nothing to wait for.
         self.metrics_lag = config.dist.metrics_lag if jax.process_count() > 1 else 0
         ck = config.checkpoint
         self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)

@@ -2,6 +2,7 @@
 with a stand-in for the coordinator's key-value store: a slow peer holds up the future a
 gather returns, never the caller, and the exchanges keep their call order."""
 
+import pickle
 import threading
 
 import jax
@@ -23,8 +24,6 @@ class SlowPeerStore:
         self.lock = threading.Lock()
 
     def release(self, call: int, rows: dict[str, dict[int, np.ndarray]]) -> None:
-        import pickle
-
         with self.lock:
             self.store[f"eqx_diloco/replica_values/{call}/1"] = pickle.dumps(rows)
             self.released.setdefault(call, threading.Event()).set()
