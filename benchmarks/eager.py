@@ -47,7 +47,7 @@ def make_config(method: str, seed: int, run_dir: pathlib.Path, args):
     quick = args.quick
     model = TransformerConfig(num_layers=2 if quick else 4, dim=args.dim, num_heads=max(1, args.dim // 16),
                               mlp_ratio=2 if quick else 4)
-    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=16 if quick else 64, lr=3e-3,
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=16 if quick else 64, lr=args.lr,
                         warmup_steps=2 if quick else 20, seed=seed, log_every=10, eval_every=args.steps // 5,
                         final_sync=args.final_sync,
                         eval_sequences=8 if quick else 64)
@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per replica step (default 8; quick 4)")
     parser.add_argument("--dim", type=int, default=None,
                         help="model width, a multiple of 16 (one head per 16; default 64; quick 32): the gap against scale")
+    parser.add_argument("--lr", type=float, default=3e-3,
+                        help="peak inner (AdamW) learning rate: how far one round moves the model")
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.3)
     parser.add_argument("--no-final-sync", dest="final_sync", action="store_false",
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
     args.sync_period = args.sync_period or (6 if args.quick else 20)
     args.batch_size = args.batch_size or (4 if args.quick else 8)
     args.dim = args.dim or (32 if args.quick else 64)
+    if args.lr <= 0:
+        parser.error(f"--lr must be > 0 (got {args.lr})")
     if args.dim % 16:
         parser.error(f"--dim must be a multiple of 16 (got {args.dim})")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +116,7 @@ def run(args, methods) -> int:
     result = {
         "benchmark": "eager", "mode": "quick" if args.quick else "default", "num_devices": NUM_DEVICES,
         "seeds": args.seeds, "steps": args.steps, "sync_period": args.sync_period, "fragments": args.fragments,
-        "batch_size": args.batch_size, "dim": args.dim, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+        "batch_size": args.batch_size, "dim": args.dim, "lr": args.lr, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
         "quantize": args.quantize, "final_sync": args.final_sync, "rows": rows, "machine": common.machine_info(),
     }
     table = ["| outer overlap | eval loss (mean +- sd) | gap to blocking (paired, mean +- sd) | n |", "|---|---|---|---|"]
@@ -120,7 +124,7 @@ def run(args, methods) -> int:
         e, g = row["eval_loss"], row["gap_to_blocking"]
         table.append(f"| {row['method']} | {common.fmt_pm(e, '.4f')} | "
                      f"{common.fmt_pm(g, '+.2f', '%', scale=100)} | {e['n']} |")
-    header = (f"R = 2, H = {args.sync_period}, P = {args.fragments}, width {args.dim}, {args.steps} steps, "
+    header = (f"R = 2, H = {args.sync_period}, P = {args.fragments}, width {args.dim}, inner lr {args.lr:g}, {args.steps} steps, "
               f"{args.batch_size} x {64 if not args.quick else 16} tokens per replica step, outer SGD lr "
               f"{args.outer_lr} momentum {args.outer_momentum} (Nesterov), quantize {args.quantize}, "
               f"{'last exchange landed' if args.final_sync else 'last exchange not landed (--no-final-sync)'}, "

@@ -1,13 +1,13 @@
 """Bad input through the real command lines: exit code 2 and one line on stderr naming the flag.
 
-Every case is refused before JAX compiles anything, so each subprocess costs little more than
-Python's start-up and imports; they run a few at a time.
+Every case is refused before JAX compiles anything. Each runs as its own process, forked from one
+interpreter that imported JAX, Equinox and Orbax once (tests/fork_cli.py), a few at a time.
 """
 
-import concurrent.futures
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +86,13 @@ CASES = [
     ("sample-temperature-inf", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--temperature", "inf"], {}, "--temperature"),
 ]
 
+# Commands that succeed, run by the same forking runner: it reports what `python -m` would.
+GOOD_CASES = [
+    ("sample-greedy", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--prompt", "ab", "--max-new-tokens", "3",
+                       "--temperature", "0"], {}),
+    ("train-help", ["eqx_diloco.train", "--help"], {}),
+]
+
 
 def _write_models(tmp: Path) -> None:
     model = Transformer(TINY, key=jax.random.key(0))
@@ -113,14 +120,19 @@ def _run(argv: list, env: dict, tmp: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Every case's finished process, run a few at a time."""
+    """Every case's finished process: forks of one interpreter that imported JAX once (tests/fork_cli.py)."""
     tmp = tmp_path_factory.mktemp("bad_input")
     (tmp / "file").write_text("a regular file\n")
     os.mkfifo(tmp / "fifo")
     _write_models(tmp)
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = {case[0]: pool.submit(_run, case[1], case[2], tmp) for case in CASES}
-        return {name: f.result() for name, f in futures.items()}
+    named = [*((name, argv, env) for name, argv, env, _ in CASES), *GOOD_CASES]
+    cases = [([a.replace("{tmp}", str(tmp)) if isinstance(a, str) else a for a in argv], env, str(tmp))
+             for _, argv, env in named]
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fork_cli.py"))], input=pickle.dumps(cases),
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    return {name: subprocess.CompletedProcess(argv, rc, out, err)
+            for (name, argv, _), (rc, out, err) in zip(named, pickle.loads(proc.stdout))}
 
 
 @pytest.mark.parametrize("name, argv, env, flag", CASES, ids=[c[0] for c in CASES])
@@ -132,6 +144,15 @@ def test_refused_with_one_line_naming_the_flag(results, name, argv, env, flag):
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and flag in lines[0], lines[0]
+
+
+def test_the_forking_runner_reports_what_python_m_would(results):
+    greedy = results["sample-greedy"]
+    assert greedy.returncode == 0, greedy.stderr.decode(errors="replace")
+    text = greedy.stdout.decode()
+    assert text.startswith("ab") and len(text.encode()) >= 6, text  # the prompt, 3 new bytes, a newline
+    help_ = results["train-help"]
+    assert help_.returncode == 0 and "--diloco.num-fragments" in help_.stdout.decode()
 
 
 def test_second_trainer_on_a_locked_run_dir_is_refused(tmp_path):
