@@ -9,7 +9,8 @@ gap of each method to blocking DiLoCo (same seed, same data): mean +- sd of
 Modes (one CLI convention with the other benchmarks):
 
 - default: 4 layers, width 64, seq 64, 8 sequences per replica (512 tokens per replica
-  step), R = 2, H = 20, 500 steps, seeds 0 1 2; outer SGD lr 1.0, Nesterov 0.3 (the CLI's
+  step), R = 2, H = 20, 500 steps, seeds 0 1 2; inner AdamW peak lr 3e-3 (`--lr`: how far a
+  round moves the model, which sets eager's gap); outer SGD lr 1.0, Nesterov 0.3 (the CLI's
   default; `--outer-lr 0.7 --outer-momentum 0.9` is the papers' outer optimizer).
 - the final model of every method includes every inner step: blocking DiLoCo's last sync
   is at the last step, delayed / eager land their last round's exchange (`DiLoCo.drain`);

@@ -28,3 +28,15 @@ def test_eager_benchmark_quick(tmp_path):
     gaps = [e / b - 1 for e, b in zip(rows["eager"]["eval_loss"]["values"], blocking)]
     assert rows["eager"]["gap_to_blocking"]["mean"] == pytest.approx(statistics.fmean(gaps))
     assert "| eager |" in (tmp_path / "eager.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [(["--lr", "0"], "--lr must be > 0 (got 0.0)"),
+                                           (["--dim", "40"], "--dim must be a multiple of 16 (got 40)")])
+def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
+    from benchmarks import eager
+
+    with pytest.raises(SystemExit) as exit_:
+        eager.main([*argv, "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before the output folder was made
