@@ -62,7 +62,6 @@ SLOW_FILES_FIRST = (
     "test_elastic.py",  # with test_multiprocess.py, on one worker one after the other (their many processes)
     "test_outer_sweep.py",
     "test_multiprocess.py",
-    "test_bad_input.py",
     "test_checkpoint.py",
     "test_eager_benchmark.py",
     "test_trainer_hardening.py",
