@@ -43,6 +43,15 @@ def _quiet_closed_event_loops(unraisablehook=sys.unraisablehook):
     return hook
 
 
+def _drop_unretrieved_task_errors(record: logging.LogRecord) -> bool:
+    """A filter for the "asyncio" logger. When a save fails, the write tasks orbax started on
+    its event loop fail with it, and asyncio logs each one that nobody awaited ("Task exception
+    was never retrieved", with a traceback) when it is garbage-collected, at a moment that
+    depends on load. The failure itself reaches the trainer through orbax (the one line
+    `error: saving checkpoint ...`); only those after-the-fact reports are dropped."""
+    return "exception was never retrieved" not in record.getMessage()
+
+
 def main(argv: list[str] | None = None) -> int:
     global _hard_exit
     config = tyro.cli(Config, args=argv, prog="python -m eqx_diloco.train")
@@ -72,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             # A failed asynchronous save makes orbax log each of its threads' tracebacks (hundreds of
             # lines); the one line below says what happened.
             logging.getLogger("absl").setLevel(logging.CRITICAL)
+            logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
             sys.unraisablehook = _quiet_closed_event_loops()
             try:
                 train(config)

@@ -4,6 +4,7 @@ TensorBoard events, the final sync that lets every inner step reach the global m
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -282,6 +283,20 @@ def test_unraisablehook_drops_only_closed_event_loop_noise():
     hook(SimpleNamespace(exc_value=other))
     hook(SimpleNamespace(exc_value=ValueError("Event loop is closed")))
     assert seen[0] is other and isinstance(seen[1], ValueError)
+
+
+def test_unretrieved_task_errors_of_a_failed_save_are_not_logged():
+    """The filter train.py puts on the "asyncio" logger: the failed save's write tasks that
+    nobody awaited are not reported again (they raced the one-line error under load); other
+    asyncio errors still are."""
+    from eqx_diloco.train import _drop_unretrieved_task_errors
+
+    def record(message):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+    assert not _drop_unretrieved_task_errors(record("Task exception was never retrieved\nfuture: <Task finished>"))
+    assert not _drop_unretrieved_task_errors(record("Future exception was never retrieved"))
+    assert _drop_unretrieved_task_errors(record("Unclosed client session"))
 
 
 def test_rerun_with_checkpoints_elsewhere_keeps_the_first_runs_metrics(tmp_path, capsys):
