@@ -112,9 +112,13 @@ def _write_models(tmp: Path) -> None:
         (tmp / f"{name}.eqx.json").write_text(meta)
 
 
+def _in(tmp: Path, argv: list) -> list:
+    """`argv` with "{tmp}" standing for the cases' folder (bytes arguments as they are)."""
+    return [a.replace("{tmp}", str(tmp)) if isinstance(a, str) else a for a in argv]
+
+
 def _run(argv: list, env: dict, tmp: Path) -> subprocess.CompletedProcess:
-    args = [a.replace("{tmp}", str(tmp)) if isinstance(a, str) else a for a in argv]
-    return subprocess.run([sys.executable, "-m", *args], env={**os.environ, **env}, cwd=tmp, capture_output=True,
+    return subprocess.run([sys.executable, "-m", *_in(tmp, argv)], env={**os.environ, **env}, cwd=tmp, capture_output=True,
                           timeout=240)
 
 
@@ -126,8 +130,7 @@ def results(tmp_path_factory):
     os.mkfifo(tmp / "fifo")
     _write_models(tmp)
     named = [*((name, argv, env) for name, argv, env, _ in CASES), *GOOD_CASES]
-    cases = [([a.replace("{tmp}", str(tmp)) if isinstance(a, str) else a for a in argv], env, str(tmp))
-             for _, argv, env in named]
+    cases = [(_in(tmp, argv), env, str(tmp)) for _, argv, env in named]
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fork_cli.py"))], input=pickle.dumps(cases),
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
