@@ -61,7 +61,7 @@ from . import quantize
 from ._exchange import resolve_method
 from ._tree import all_finite
 from .groups import ParamGroup
-from .outer import move_to_mesh, replica_mean, unflatten_like
+from .outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
 from .state import TrainState
 
 PyTree = Any
@@ -115,6 +115,7 @@ class OverlappedOuter:
                          for i in range(len(groups))]
         self._drain = [jax.jit(self._drain_fn(i), donate_argnums=0, out_shardings=shardings)
                        for i in range(len(groups))]
+        self._install_compiled: set[int] = set()  # groups whose install program is compiled
 
     # -- the exchange (runs in the background) --------------------------------------------------
 
@@ -220,7 +221,12 @@ class OverlappedOuter:
         state, sent = self._outer[group](state)
         if self.comm_mesh is not None:
             sent = move_to_mesh(sent, self.mesh, self.comm_mesh)
-        return state, InFlightExchange(group, self._exchange(sent))
+        outputs = self._exchange(sent)
+        if group not in self._install_compiled:
+            mean, _, own_error = outputs
+            compile_install_ahead(self._install[group], state, (mean, own_error), self.mesh)
+            self._install_compiled.add(group)
+        return state, InFlightExchange(group, outputs)
 
     def install(self, state: TrainState, in_flight: InFlightExchange) -> tuple[TrainState, jax.Array]:
         """Put an arrived exchange into the state's mailbox (waits for it). Returns (state, finite)."""

@@ -144,6 +144,21 @@ def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
     return jax.tree.map(move, tree)
 
 
+def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple, mesh: Mesh) -> None:
+    """Compile `install(state, *arriving)` now, for values that will arrive on `mesh`.
+
+    A launched exchange is installed tau steps (or a whole round) later. Compiling its
+    install program at that first install would stall the host there, while the devices
+    run dry, and in a multi-process run the other processes wait for this one: the stall
+    lands mid-run, after the warm-up. The launch is a first-call compile point anyway.
+    `jit(f).lower(...).compile()` fills the cache that the later call `f(...)` uses.
+    """
+    arrived = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)), arriving
+    )
+    install.lower(state, *arrived).compile()
+
+
 @dataclasses.dataclass
 class InFlightSync:
     """A group's sync dispatched on the communication mesh whose result is not installed yet."""
@@ -214,6 +229,7 @@ class OuterSync:
                 )
             )
         self._fns = {k: tuple(v) for k, v in fns.items()}
+        self._install_compiled: set[int] = set()  # groups whose install program is compiled
 
     def _core(self, exchange):
         """(replica values, global values, outer state, residuals) -> (global, outer state, finite, residuals)."""
@@ -292,7 +308,12 @@ class OuterSync:
         inputs = self._fns["extract"][group](state)
         if self.comm_mesh is not None:
             inputs = move_to_mesh(inputs, self.mesh, self.comm_mesh)
-        return InFlightSync(group, self._fns["launch"][group](*inputs))
+        outputs = self._fns["launch"][group](*inputs)
+        if group not in self._install_compiled:
+            global_values, outer_state, _, residuals = outputs
+            compile_install_ahead(self._fns["install"][group], state, (global_values, outer_state, residuals), self.mesh)
+            self._install_compiled.add(group)
+        return InFlightSync(group, outputs)
 
     def install(self, state: TrainState, in_flight: InFlightSync) -> tuple[TrainState, Array]:
         """Put a launched sync's result into the state (waits for it). Returns (state, finite)."""

@@ -1,5 +1,7 @@
 """Whole-round overlapped outer steps (delayed, eager) against a reference from the paper's equations."""
 
+import logging
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -172,6 +174,23 @@ def test_compile_checks_of_the_overlapped_programs():
         assert finite.shape == (2,) and [m.shape for m in mean] == [s.shape[1:] for s in sent]
         installed = jax.eval_shape(diloco.overlapped._install[g], state, mean, own_error)
         assert jax.tree.structure(installed) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("mode,overrides", [("eager", {}), ("delayed", dict(num_fragments=2)),
+                                            ("none", dict(num_fragments=2, overlap_steps=2))])
+def test_install_programs_compile_at_the_launch_not_mid_round(mode, overrides, caplog):
+    """A first-time compile where an exchange lands would stall one process mid-run (the others wait for it)."""
+    diloco = _core(mode, **overrides)
+    state = diloco.init(StackedMLP(key=jax.random.key(0)))
+    launched, compiled_at = set(), {}
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        for step in range(13):
+            caplog.clear()
+            state, metrics = diloco.step(state, make_batch(step, 2))
+            if any("Compiling jit(install)" in r.getMessage() for r in caplog.records):
+                compiled_at[step + 1] = metrics["synced_fragment"] not in launched
+            launched.add(metrics["synced_fragment"])
+    assert compiled_at and all(compiled_at.values()), f"install compiled at steps {compiled_at} (True: a first launch)"
 
 
 def test_sync_now_is_refused_where_it_does_not_apply():
