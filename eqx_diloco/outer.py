@@ -311,7 +311,8 @@ class OuterSync:
         outputs = self._fns["launch"][group](*inputs)
         if group not in self._install_compiled:
             global_values, outer_state, _, residuals = outputs
-            compile_install_ahead(self._fns["install"][group], state, (global_values, outer_state, residuals), self.mesh)
+            arriving = (global_values, outer_state, residuals)
+            compile_install_ahead(self._fns["install"][group], state, arriving, self.mesh)
             self._install_compiled.add(group)
         return InFlightSync(group, outputs)
 

@@ -458,7 +458,8 @@ class Trainer:
             display.log("compiling the step programs..." + (" (cached programs load fast)" if start else ""))
             display.update(start, "compiling...")
         if self.diloco:  # the global model's finite check, first read a round or two in: compiled now
-            (self._row_finite if self.core.outer_overlap == "eager" else all_finite).lower(state.global_params).compile()
+            check = self._row_finite if self.core.outer_overlap == "eager" else all_finite
+            check.lower(state.global_params).compile()
         if start == 0 and t_cfg.eval_every:  # the starting point, so the curve shows the fall
             eval_loss_value = self._evaluate(state, 0, display if show else None)
         self._compile_note = None

@@ -98,7 +98,8 @@ def test_r1_diloco_is_compared_with_plain_training_and_the_copy_cell_is_not_run(
     loss = {("ddp", 0): 2.0, ("ddp", 1): 2.2, ("diloco", 0): 2.1, ("diloco", 1): 2.2}
     records = [{"key": outer_sweep.run_key("default_regime", s, seed), "study": "default_regime", "cell": s.cell,
                 "spec": dataclasses.asdict(s), "seed": seed, "scale_id": outer_sweep.scale_id(scale),
-                "eval_loss": loss[(s.algorithm, seed)], "final_train_loss": 2.5, "curve": [[10, loss[(s.algorithm, seed)]]], "elapsed_s": 1.0}
+                "eval_loss": loss[(s.algorithm, seed)], "final_train_loss": 2.5,
+                "curve": [[10, loss[(s.algorithm, seed)]]], "elapsed_s": 1.0}
                for s in specs for seed in (0, 1)]
     result = outer_sweep.build_result(records, {"default_regime": scale}, (0, 1), "quick")
     by_cell = {c["cell"]: c for c in result["studies"]["default_regime"]["cells"]}
