@@ -115,7 +115,6 @@ class OverlappedOuter:
                          for i in range(len(groups))]
         self._drain = [jax.jit(self._drain_fn(i), donate_argnums=0, out_shardings=shardings)
                        for i in range(len(groups))]
-        self._install_compiled: set[int] = set()  # groups whose install program is compiled
 
     # -- the exchange (runs in the background) --------------------------------------------------
 
@@ -222,10 +221,8 @@ class OverlappedOuter:
         if self.comm_mesh is not None:
             sent = move_to_mesh(sent, self.mesh, self.comm_mesh)
         outputs = self._exchange(sent)
-        if group not in self._install_compiled:
-            mean, _, own_error = outputs
-            compile_install_ahead(self._install[group], state, (mean, own_error), self.mesh)
-            self._install_compiled.add(group)
+        mean, _, own_error = outputs
+        compile_install_ahead(self._install[group], state, (mean, own_error), self.mesh)
         return state, InFlightExchange(group, outputs)
 
     def install(self, state: TrainState, in_flight: InFlightExchange) -> tuple[TrainState, jax.Array]:

@@ -17,6 +17,7 @@ group is H steps later), so the global params themselves hold the in-flight resu
 """
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -144,8 +145,11 @@ def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
     return jax.tree.map(move, tree)
 
 
+_compiled_ahead: "weakref.WeakSet[Callable]" = weakref.WeakSet()  # install programs compiled by the function below
+
+
 def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple, mesh: Mesh) -> None:
-    """Compile `install(state, *arriving)` now, for values that will arrive on `mesh`.
+    """Compile the jitted `install(state, *arriving)` now (once), for values that will arrive on `mesh`.
 
     A launched exchange is installed tau steps (or a whole round) later. Compiling its
     install program at that first install would stall the host there, while the devices
@@ -153,10 +157,13 @@ def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple,
     lands mid-run, after the warm-up. The launch is a first-call compile point anyway.
     `jit(f).lower(...).compile()` fills the cache that the later call `f(...)` uses.
     """
+    if install in _compiled_ahead:  # one program per group and object: its shapes never change
+        return
     arrived = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)), arriving
     )
     install.lower(state, *arrived).compile()
+    _compiled_ahead.add(install)
 
 
 @dataclasses.dataclass
@@ -229,7 +236,6 @@ class OuterSync:
                 )
             )
         self._fns = {k: tuple(v) for k, v in fns.items()}
-        self._install_compiled: set[int] = set()  # groups whose install program is compiled
 
     def _core(self, exchange):
         """(replica values, global values, outer state, residuals) -> (global, outer state, finite, residuals)."""
@@ -309,11 +315,8 @@ class OuterSync:
         if self.comm_mesh is not None:
             inputs = move_to_mesh(inputs, self.mesh, self.comm_mesh)
         outputs = self._fns["launch"][group](*inputs)
-        if group not in self._install_compiled:
-            global_values, outer_state, _, residuals = outputs
-            arriving = (global_values, outer_state, residuals)
-            compile_install_ahead(self._fns["install"][group], state, arriving, self.mesh)
-            self._install_compiled.add(group)
+        global_values, outer_state, _, residuals = outputs
+        compile_install_ahead(self._fns["install"][group], state, (global_values, outer_state, residuals), self.mesh)
         return InFlightSync(group, outputs)
 
     def install(self, state: TrainState, in_flight: InFlightSync) -> tuple[TrainState, Array]:
