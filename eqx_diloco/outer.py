@@ -160,7 +160,9 @@ def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple,
     if install in _compiled_ahead:  # one program per group and object: its shapes never change
         return
     arrived = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)), arriving
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec),
+                                       weak_type=x.weak_type),  # a weak leaf would be another program
+        arriving,
     )
     install.lower(state, *arrived).compile()
     _compiled_ahead.add(install)

@@ -176,8 +176,12 @@ def test_compile_checks_of_the_overlapped_programs():
         assert jax.tree.structure(installed) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("mode,overrides", [("eager", {}), ("delayed", dict(num_fragments=2)),
-                                            ("none", dict(num_fragments=2, overlap_steps=2))])
+@pytest.mark.parametrize("mode,overrides", [
+    ("eager", {}), ("delayed", dict(num_fragments=2)), ("none", dict(num_fragments=2, overlap_steps=2)),
+    # Residuals travel with the exchange; and the exchange on the compute devices.
+    ("eager", dict(quantize="int8", error_feedback=True, comm_device="off")),
+    ("none", dict(num_fragments=2, overlap_steps=2, quantize="int8", error_feedback=True, comm_device="off")),
+])
 def test_install_programs_compile_at_the_launch_not_mid_round(mode, overrides, caplog):
     """A first-time compile where an exchange lands would stall one process mid-run (the others wait for it)."""
     diloco = _core(mode, **overrides)
