@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.slow
 def test_eager_benchmark_quick(tmp_path):
     root = Path(__file__).parents[1]
-    # Blocking and eager only (delayed is the same code path as eager in the benchmark, and
+    # Blocking and eager only (delayed goes through the same benchmark code with another mode, and
     # tests/test_eager.py checks it against the paper's equations): this also checks --methods.
     cmd = [sys.executable, "-m", "benchmarks.eager", "--quick", "--seeds", "0", "1", "--steps", "12",
            "--methods", "eager", "--out", str(tmp_path)]
