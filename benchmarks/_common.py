@@ -38,7 +38,7 @@ def setup_jax(num_devices: int, *, compile_cache: str | os.PathLike | None = Non
     The cache only saves compile time: runs of a benchmark that build identical programs
     (same shapes, same sync functions) compile once. It never changes results.
     """
-    from eqx_diloco.mesh import ensure_cpu_devices
+    from eqx_diloco._mesh import ensure_cpu_devices
 
     ensure_cpu_devices(num_devices)
     if compile_cache is not None:
@@ -133,7 +133,7 @@ def summarize_run(run_dir: pathlib.Path, summary: dict[str, Any], tokens_per_ste
 def train_and_summarize(config, *, fresh: bool = True) -> dict[str, Any]:
     """Run the trainer on `config` (its run_dir is wiped first: a leftover checkpoint
     would make the trainer resume) and return `summarize_run`'s dict plus `elapsed_s`."""
-    from eqx_diloco.trainer import Trainer
+    from eqx_diloco.lm.trainer import Trainer
 
     if fresh and config.run_dir.exists():
         shutil.rmtree(config.run_dir)

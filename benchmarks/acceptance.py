@@ -131,7 +131,7 @@ COMPARISONS = (
 
 def default_outer() -> dict[str, Any]:
     """The CLI's default outer optimizer (the library's `DiLoCoConfig` defaults)."""
-    from eqx_diloco.config import DiLoCoConfig
+    from eqx_diloco.lm.config import DiLoCoConfig
 
     d = DiLoCoConfig()
     return {"outer_lr": d.outer_lr, "outer_momentum": d.outer_momentum, "nesterov": d.nesterov}
@@ -162,7 +162,7 @@ def runs_for(mode: str, scale: convergence.Scale) -> list[Run]:
 
 def make_config(run: Run, scale: convergence.Scale, run_dir: pathlib.Path, seed: int):
     """The convergence benchmark's config of this spec, with the trainer's default final sync."""
-    from eqx_diloco.config import TrainConfig
+    from eqx_diloco.lm.config import TrainConfig
 
     config = convergence.make_config(run.spec, scale, run_dir, seed)
     train = dataclasses.replace(config.train, final_sync=TrainConfig().final_sync, log_every=10)

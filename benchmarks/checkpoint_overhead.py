@@ -68,15 +68,16 @@ def in_process(train_args: list[str], every: int, rounds: int, saves: int, workd
     """(a) paired windows and (b) single-save timings, on the trainer's compiled programs."""
     import tyro
 
-    from eqx_diloco.config import Config
-    from eqx_diloco.mesh import devices_needed, ensure_cpu_devices
+    from eqx_diloco.lm.config import Config
+    from eqx_diloco._mesh import ensure_cpu_devices
+    from eqx_diloco.lm._layout import devices_needed
 
     config = tyro.cli(Config, args=[*train_args, "--run-dir", str(workdir / "inprocess"),
                                     "--checkpoint.every", str(every), "--checkpoint.keep", "2"])
     ensure_cpu_devices(devices_needed(config))
     import jax
 
-    from eqx_diloco.trainer import Trainer
+    from eqx_diloco.lm.trainer import Trainer
 
     trainer = Trainer(config, verbose=False)
     checkpointer = trainer.checkpointer

@@ -150,7 +150,7 @@ def suite(scale: Scale, grid: str) -> list[RunSpec]:
 
 
 def make_config(spec: RunSpec, scale: Scale, run_dir: pathlib.Path, seed: int):
-    from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
+    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
     from models import TransformerConfig
 
     model = TransformerConfig(num_layers=scale.num_layers, dim=scale.dim, num_heads=scale.num_heads,

@@ -42,7 +42,7 @@ METHODS = ("none", "delayed", "eager")
 
 
 def make_config(method: str, seed: int, run_dir: pathlib.Path, args):
-    from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
+    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
     from models import TransformerConfig
 
     quick = args.quick

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import jax
 
     from eqx_diloco import quantize
-    from eqx_diloco.fragments import Fragmenter
+    from eqx_diloco._fragments import Fragmenter
     from models import Transformer, TransformerConfig
 
     config = TransformerConfig(vocab_size=args.vocab_size, num_layers=args.num_layers, dim=args.dim)

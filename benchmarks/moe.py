@@ -34,7 +34,7 @@ from benchmarks._common import (
 
 
 def configs(quick: bool, run_root: Path):
-    from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
+    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
     from models import TransformerConfig
 
     H, K = 20, 5

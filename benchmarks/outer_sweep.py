@@ -238,7 +238,7 @@ def scale_id(scale: Scale) -> str:
 
 
 def make_config(spec: Spec, scale: Scale, run_dir: pathlib.Path, seed: int):
-    from eqx_diloco import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
+    from eqx_diloco.lm import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
     from models import TransformerConfig
 
     model = TransformerConfig(num_layers=scale.num_layers, dim=scale.dim, num_heads=scale.num_heads,
@@ -260,7 +260,7 @@ def check_split_honoured(scale: Scale, tmp: pathlib.Path) -> None:
     """Refuse a non-default split the trainer would silently ignore."""
     if scale.split == "contiguous":
         return
-    from eqx_diloco import Trainer
+    from eqx_diloco.lm import Trainer
 
     trainer = Trainer(make_config(Spec("ddp", 2, scale.batch_sizes[0]), scale, tmp / "split_check", 0), verbose=False)
     batches = getattr(trainer, "batches", None)
@@ -277,7 +277,7 @@ def run_one(study: str, spec: Spec, scale: Scale, seed: int, run_dir: pathlib.Pa
     if run_dir.exists():  # a run killed half-way: start it again from scratch
         shutil.rmtree(run_dir)
     start = time.perf_counter()
-    eqx_diloco.train(make_config(spec, scale, run_dir, seed), verbose=False)
+    eqx_diloco.lm.train(make_config(spec, scale, run_dir, seed), verbose=False)
     elapsed = time.perf_counter() - start
     steps, evals = common.read_metrics(run_dir)
     if not evals or evals[-1]["step"] != scale.steps:

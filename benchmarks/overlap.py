@@ -2,7 +2,7 @@
 
 Every method trains the same model as 2 processes (one replica each) joined by
 `jax.distributed`, inside a network namespace whose loopback is shaped to
-`--bandwidth` (see `eqx_diloco.launch`). Methods:
+`--bandwidth` (see `eqx_diloco.lm.launch`). Methods:
 
 - compute_only: DiLoCo with no sync in the run (the floor);
 - ddp: a gradient all-reduce every step;
@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eqx_diloco.launch import LinkLimit
+from eqx_diloco.lm.launch import LinkLimit
 
 
 def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:

@@ -31,7 +31,7 @@ METHODS = {"float32": {}, "int4_two_phase": dict(quantize="int4", error_feedback
 def make_config(method: str, seed: int, run_dir: pathlib.Path, args):
     import dataclasses
 
-    from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
+    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
     from models import TransformerConfig
 
     q = args.quick

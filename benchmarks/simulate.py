@@ -53,7 +53,7 @@ Paper models (1B/10B/100B) are parameter counts (1e9, 1e10, 1e11) spread evenly 
 their 24/48/108 layers (embeddings folded into the layers: the paper's fragments are
 groups of 3 layers, P = L / 3, with no separate embedding fragment), strided fragments.
 The local model is a real `models.TransformerConfig` whose exact fragment bytes come from
-`eqx_diloco.fragments.Fragmenter.nbytes` on an abstract model (fragment 0 = embeddings,
+`eqx_diloco._fragments.Fragmenter.nbytes` on an abstract model (fragment 0 = embeddings,
 final norm, head). Non-integer H / P (the paper's H = 100 with P = 8, 16, 36) is rounded
 up: fragment p syncs at ceil((p + 1) * H / P) + k * H.
 
@@ -223,7 +223,7 @@ def real_model(
     import jax
 
     import models
-    from eqx_diloco.fragments import Fragmenter
+    from eqx_diloco._fragments import Fragmenter
 
     abstract = eqx.filter_eval_shape(models.Transformer, config, key=jax.random.key(0))
     itemsizes = {np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract)}

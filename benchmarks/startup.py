@@ -127,7 +127,7 @@ def run(mode: str, *, repeats: int = 2, timeout_s: float = 900.0, log=print) -> 
     with tempfile.TemporaryDirectory(prefix="eqx_diloco_startup_") as tmp:
         tmp = pathlib.Path(tmp)
         # Untimed: bring Python's and JAX's files into the OS file cache for every run alike.
-        subprocess.run([sys.executable, "-c", "import eqx_diloco.trainer"], cwd=REPO,
+        subprocess.run([sys.executable, "-c", "import eqx_diloco.lm.trainer"], cwd=REPO,
                        env=child_env(tmp / "warmup"), check=True, capture_output=True)
         for name, args in CONFIGS[mode]:
             cache_home = tmp / f"cache_{name}"

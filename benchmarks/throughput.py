@@ -88,7 +88,7 @@ def model_config(s: Settings, num_layers: int | None = None):
 
 
 def train_config(s: Settings):
-    from eqx_diloco.config import TrainConfig
+    from eqx_diloco.lm.config import TrainConfig
 
     return TrainConfig(steps=10_000, batch_size=s.batch_size, seq_len=s.seq_len, warmup_steps=10, eval_every=0,
                        log_every=1000, eval_sequences=2)
@@ -228,8 +228,8 @@ class _Inner:
         import jax
         import numpy as np
 
-        from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig
-        from eqx_diloco.trainer import Trainer
+        from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig
+        from eqx_diloco.lm.trainer import Trainer
 
         config = Config(algorithm="diloco", run_dir=run_dir, model=model_config(s), train=train_config(s),
                         diloco=DiLoCoConfig(num_replicas=replicas, sync_period=1),
@@ -322,8 +322,8 @@ def compile_trainer_step(s: Settings, num_layers: int, run_dir: pathlib.Path) ->
     import jax
     import jax.numpy as jnp
 
-    from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig
-    from eqx_diloco.trainer import Trainer
+    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig
+    from eqx_diloco.lm.trainer import Trainer
 
     config = Config(algorithm="diloco", run_dir=run_dir, model=model_config(s, num_layers), train=train_config(s),
                     diloco=DiLoCoConfig(num_replicas=1, sync_period=1), data=DataConfig(source="synthetic"),

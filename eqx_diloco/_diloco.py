@@ -24,14 +24,14 @@ from jaxtyping import Array, PRNGKeyArray
 from . import quantize as _quantize
 from . import schedule
 from ._errors import ConfigError
-from .checkpoint import Checkpointer
-from .groups import make_groups
-from .mesh import build_meshes, ensure_cpu_devices
+from ._checkpoint import Checkpointer
+from ._groups import make_groups
+from ._mesh import build_meshes
 from ._eager import InFlightExchange, OverlappedOuter
 from ._elastic import IslandSnapshots, agree_on_step, island_payload, own_replica, reform_state
-from .outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes, sync_wire_nbytes
-from .state import TrainState, build_state, state_shardings
-from .step import LossFn, make_inner_step
+from ._outer import InFlightSync, OuterSync, move_to_mesh, sync_nbytes, sync_wire_nbytes
+from ._state import TrainState, build_state, state_shardings
+from ._step import LossFn, make_inner_step
 
 PyTree = Any
 
@@ -195,8 +195,6 @@ class DiLoCo:
         if mesh is None:
             overlapped = self.is_diloco and (overlap_steps > 0 or self.outer_overlap != "none")
             comm = comm_device if overlapped else "off"
-            # Harmless where JAX has already started; then build_meshes says what is missing.
-            ensure_cpu_devices(num_replicas * (data_parallel + int(comm != "off")))
             mesh, comm_mesh = build_meshes(num_replicas, data_parallel, comm_device=comm)
         _require(mesh.axis_names == ("diloco", "data"), f"mesh axes must be ('diloco', 'data') (got {mesh.axis_names})")
         _require(mesh.shape["diloco"] == num_replicas,

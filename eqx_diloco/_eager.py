@@ -60,9 +60,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import quantize
 from ._exchange import resolve_method
 from ._tree import all_finite
-from .groups import ParamGroup
-from .outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
-from .state import TrainState
+from ._groups import ParamGroup
+from ._outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
+from ._state import TrainState
 
 PyTree = Any
 

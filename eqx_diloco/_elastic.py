@@ -31,8 +31,8 @@ import optax
 from jax.experimental import multihost_utils
 
 from ._errors import ConfigError
-from .replica_values import _local_rows
-from .state import REPLICA_FIELDS, TrainState
+from ._replica_values import _local_rows
+from ._state import REPLICA_FIELDS, TrainState
 
 SHARED_FIELDS = ("global_params", "outer_states", "mail_mean")
 REFORM_EXIT_CODE = 75  # an island that stopped at a sync boundary so the run can re-form (a rejoin)

@@ -23,7 +23,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import pytest  # noqa: E402
 
-from eqx_diloco.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, MeshConfig, TrainConfig  # noqa: E402
+from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, MeshConfig, TrainConfig  # noqa: E402
 from models import TransformerConfig  # noqa: E402
 
 

@@ -18,7 +18,7 @@ def test_acceptance_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "acceptance.json").read_text())
     assert result["complete"] and result["seeds"] == [0, 1] and result["num_devices"] == 4
-    from eqx_diloco.config import DiLoCoConfig
+    from eqx_diloco.lm.config import DiLoCoConfig
 
     assert result["settings"]["outer_lr"] == DiLoCoConfig().outer_lr
     assert result["settings"]["outer_momentum"] == DiLoCoConfig().outer_momentum

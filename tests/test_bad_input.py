@@ -15,21 +15,21 @@ from pathlib import Path
 import jax
 import pytest
 
-from eqx_diloco._preflight import RunDirLock, check_memory, check_writable, memory_estimates
-from eqx_diloco.config import Config, ConfigError
-from eqx_diloco.export import save_model
-from eqx_diloco.metrics import MetricsLog
+from eqx_diloco.lm._preflight import RunDirLock, check_memory, check_writable, memory_estimates
+from eqx_diloco.lm.config import Config, ConfigError
+from eqx_diloco.lm.export import save_model
+from eqx_diloco.lm.metrics import MetricsLog
 from models import Transformer, TransformerConfig
 
 TINY = TransformerConfig(num_layers=1, dim=16, num_heads=2, mlp_ratio=2)
-TRAIN = ("eqx_diloco.train", "--train.steps", "2", "--run-dir", "{tmp}/run")
+TRAIN = ("eqx_diloco.lm.train", "--train.steps", "2", "--run-dir", "{tmp}/run")
 
 # (id, argv (module first), extra environment, what the one line must name)
 CASES = [
     ("data-path-without-source", [*TRAIN, "--data.path", "{tmp}/file"], {}, "--data.path"),
     ("max-corpus-bytes-0", [*TRAIN, "--data.max-corpus-bytes", "0"], {}, "--data.max-corpus-bytes"),
     ("max-corpus-bytes-negative", [*TRAIN, "--data.max-corpus-bytes", "-1"], {}, "--data.max-corpus-bytes"),
-    ("empty-run-dir", ["eqx_diloco.train", "--run-dir", ""], {}, "--run-dir"),
+    ("empty-run-dir", ["eqx_diloco.lm.train", "--run-dir", ""], {}, "--run-dir"),
     ("negative-heartbeat", [*TRAIN, "--dist.heartbeat-timeout-s", "-5"], {}, "--dist.heartbeat-timeout-s"),
     ("negative-seed", [*TRAIN, "--train.seed", "-1"], {}, "--train.seed"),
     ("b1-is-1", [*TRAIN, "--train.b1", "1.0"], {}, "--train.b1"),
@@ -41,8 +41,8 @@ CASES = [
     ("text-dev-zero", [*TRAIN, "--data.source", "text", "--data.path", "/dev/zero"], {}, "--data.path"),
     ("text-fifo", [*TRAIN, "--data.source", "text", "--data.path", "{tmp}/fifo"], {}, "--data.path"),
     ("tokens-dev-zero", [*TRAIN, "--data.source", "tokens", "--data.path", "/dev/zero"], {}, "--data.path"),
-    ("run-dir-is-a-file", ["eqx_diloco.train", "--run-dir", "{tmp}/file"], {}, "--run-dir"),
-    ("run-dir-under-a-file", ["eqx_diloco.train", "--run-dir", "{tmp}/file/run"], {}, "--run-dir"),
+    ("run-dir-is-a-file", ["eqx_diloco.lm.train", "--run-dir", "{tmp}/file"], {}, "--run-dir"),
+    ("run-dir-under-a-file", ["eqx_diloco.lm.train", "--run-dir", "{tmp}/file/run"], {}, "--run-dir"),
     ("checkpoint-dir-is-a-file", [*TRAIN, "--checkpoint.dir", "{tmp}/file"], {}, "--checkpoint.dir"),
     ("checkpoint-dir-under-a-file", [*TRAIN, "--checkpoint.dir", "{tmp}/file/ck"], {}, "--checkpoint.dir"),
     ("more-processes-than-replicas-env", list(TRAIN), {"JAX_NUM_PROCESSES": "3"}, "--diloco.num-replicas"),
@@ -50,11 +50,11 @@ CASES = [
     ("more-processes-than-replicas-flag", [*TRAIN, "--dist.num-processes", "3"], {}, "--diloco.num-replicas"),
     ("huge-eval-sequences", [*TRAIN, "--train.eval-sequences", "100000000"], {}, "--train.eval-sequences"),
     ("huge-batch", [*TRAIN, "--train.batch-size", "100000000"], {}, "--train.batch-size"),
-    ("launch-3-processes-2-replicas", ["eqx_diloco.launch", "--num-processes", "3", "--", "--train.steps", "1"], {},
+    ("launch-3-processes-2-replicas", ["eqx_diloco.lm.launch", "--num-processes", "3", "--", "--train.steps", "1"], {},
      "--num-processes"),
     ("launch-4-processes-6-replicas",
-     ["eqx_diloco.launch", "--num-processes", "4", "--", "--diloco.num-replicas=6"], {}, "--num-processes"),
-    ("launch-0-processes", ["eqx_diloco.launch", "--num-processes", "0"], {}, "--num-processes"),
+     ["eqx_diloco.lm.launch", "--num-processes", "4", "--", "--diloco.num-replicas=6"], {}, "--num-processes"),
+    ("launch-0-processes", ["eqx_diloco.lm.launch", "--num-processes", "0"], {}, "--num-processes"),
     ("elastic-eager", [*TRAIN, "--elastic.enabled", "--diloco.outer-overlap", "eager"], {}, "--elastic.enabled"),
     ("elastic-ddp", [*TRAIN, "--algorithm", "ddp", "--elastic.enabled"], {}, "--elastic.enabled"),
     ("elastic-keep-1-snapshot", [*TRAIN, "--elastic.enabled", "--elastic.keep-snapshots", "1"], {},
@@ -62,35 +62,35 @@ CASES = [
     ("elastic-min-replicas-0", [*TRAIN, "--elastic.min-replicas", "0"], {}, "--elastic.min-replicas"),
     ("elastic-one-process-two-replicas", [*TRAIN, "--elastic.enabled"], {}, "--elastic.enabled"),
     ("launch-max-restarts-without-elastic",
-     ["eqx_diloco.launch", "--num-processes", "2", "--max-restarts", "1", "--", "--train.steps", "1"], {},
+     ["eqx_diloco.lm.launch", "--num-processes", "2", "--max-restarts", "1", "--", "--train.steps", "1"], {},
      "--max-restarts"),
     ("launch-elastic-3-processes-2-replicas",
-     ["eqx_diloco.launch", "--num-processes", "3", "--", "--elastic.enabled", "--diloco.num-replicas", "2"], {},
+     ["eqx_diloco.lm.launch", "--num-processes", "3", "--", "--elastic.enabled", "--diloco.num-replicas", "2"], {},
      "--num-processes"),
     ("launch-elastic-min-replicas-above-islands",
-     ["eqx_diloco.launch", "--num-processes", "2", "--", "--elastic.enabled", "--elastic.min-replicas", "3"], {},
+     ["eqx_diloco.lm.launch", "--num-processes", "2", "--", "--elastic.enabled", "--elastic.min-replicas", "3"], {},
      "--elastic.min-replicas"),
-    ("launch-negative-drain", ["eqx_diloco.launch", "--num-processes", "2", "--drain-s", "-1"], {}, "--drain-s"),
-    ("export-to-a-folder", ["eqx_diloco.export", "{tmp}/no-run", "{tmp}"], {}, "OUT"),
-    ("sample-truncated-model", ["eqx_diloco.sample", "{tmp}/truncated.eqx"], {}, "truncated.eqx"),
-    ("sample-random-model", ["eqx_diloco.sample", "{tmp}/random.eqx"], {}, "random.eqx"),
-    ("sample-mismatched-metadata", ["eqx_diloco.sample", "{tmp}/mismatched.eqx"], {}, "mismatched.eqx"),
-    ("sample-metadata-not-json", ["eqx_diloco.sample", "{tmp}/notjson.eqx"], {}, "notjson.eqx.json"),
-    ("sample-invalid-utf8-prompt", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--prompt", b"\xff\xfe"], {},
+    ("launch-negative-drain", ["eqx_diloco.lm.launch", "--num-processes", "2", "--drain-s", "-1"], {}, "--drain-s"),
+    ("export-to-a-folder", ["eqx_diloco.lm.export", "{tmp}/no-run", "{tmp}"], {}, "OUT"),
+    ("sample-truncated-model", ["eqx_diloco.lm.sample", "{tmp}/truncated.eqx"], {}, "truncated.eqx"),
+    ("sample-random-model", ["eqx_diloco.lm.sample", "{tmp}/random.eqx"], {}, "random.eqx"),
+    ("sample-mismatched-metadata", ["eqx_diloco.lm.sample", "{tmp}/mismatched.eqx"], {}, "mismatched.eqx"),
+    ("sample-metadata-not-json", ["eqx_diloco.lm.sample", "{tmp}/notjson.eqx"], {}, "notjson.eqx.json"),
+    ("sample-invalid-utf8-prompt", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--prompt", b"\xff\xfe"], {},
      "--prompt"),
-    ("sample-token-beyond-vocab", ["eqx_diloco.sample", "{tmp}/ids.eqx", "--prompt", "1 300"], {}, "--prompt"),
-    ("sample-negative-token", ["eqx_diloco.sample", "{tmp}/ids.eqx", "--prompt", "5 -1"], {}, "--prompt"),
-    ("sample-token-not-a-number", ["eqx_diloco.sample", "{tmp}/ids.eqx", "--prompt", "a b"], {}, "--prompt"),
-    ("sample-huge-context", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--context", "30000"], {}, "--context"),
-    ("sample-temperature-nan", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--temperature", "nan"], {}, "--temperature"),
-    ("sample-temperature-inf", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--temperature", "inf"], {}, "--temperature"),
+    ("sample-token-beyond-vocab", ["eqx_diloco.lm.sample", "{tmp}/ids.eqx", "--prompt", "1 300"], {}, "--prompt"),
+    ("sample-negative-token", ["eqx_diloco.lm.sample", "{tmp}/ids.eqx", "--prompt", "5 -1"], {}, "--prompt"),
+    ("sample-token-not-a-number", ["eqx_diloco.lm.sample", "{tmp}/ids.eqx", "--prompt", "a b"], {}, "--prompt"),
+    ("sample-huge-context", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--context", "30000"], {}, "--context"),
+    ("sample-temperature-nan", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--temperature", "nan"], {}, "--temperature"),
+    ("sample-temperature-inf", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--temperature", "inf"], {}, "--temperature"),
 ]
 
 # Commands that succeed, run by the same forking runner: it reports what `python -m` would.
 GOOD_CASES = [
-    ("sample-greedy", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--prompt", "ab", "--max-new-tokens", "3",
+    ("sample-greedy", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--prompt", "ab", "--max-new-tokens", "3",
                        "--temperature", "0"], {}),
-    ("train-help", ["eqx_diloco.train", "--help"], {}),
+    ("train-help", ["eqx_diloco.lm.train", "--help"], {}),
 ]
 
 
@@ -161,7 +161,7 @@ def test_the_forking_runner_reports_what_python_m_would(results):
 def test_second_trainer_on_a_locked_run_dir_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     with RunDirLock(run_dir):
-        proc = _run(["eqx_diloco.train", "--run-dir", str(run_dir), "--train.steps", "1"], {}, tmp_path)
+        proc = _run(["eqx_diloco.lm.train", "--run-dir", str(run_dir), "--train.steps", "1"], {}, tmp_path)
     err = proc.stderr.decode()
     assert proc.returncode == 2, err
     assert err.strip().splitlines() == [f"error: --run-dir {run_dir} is in use by another trainer (pid {os.getpid()})"]
@@ -178,7 +178,7 @@ def test_run_dir_lock_is_exclusive_and_released(tmp_path):
 
 
 def test_lock_of_a_killed_trainer_does_not_block_the_next(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eqx_diloco._preflight import RunDirLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eqx_diloco.lm._preflight import RunDirLock\n"
                                f"with RunDirLock({str(tmp_path / 'run')!r}):\n print('locked', flush=True); "
                                "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
@@ -238,7 +238,7 @@ def test_metrics_log_starts_the_file_again_when_it_is_deleted(tmp_path):
 
 
 def test_fresh_start_in_a_used_run_dir_keeps_the_earlier_runs_files(tmp_path):
-    from eqx_diloco.metrics import set_aside_earlier_run
+    from eqx_diloco.lm.metrics import set_aside_earlier_run
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "config.json").write_text("{}\n")

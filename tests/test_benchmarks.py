@@ -77,7 +77,7 @@ def test_convergence_smoke(tmp_path, shared_runs):
 
 
 def test_convergence_suites_are_valid_configs(tmp_path):
-    from eqx_diloco.config import validate
+    from eqx_diloco.lm.config import validate
 
     for mode in ("quick", "full"):
         scale = convergence.SCALES[mode]

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_diloco import Trainer
-from eqx_diloco.checkpoint import Checkpointer
-from eqx_diloco.resume import incompatibility
-from eqx_diloco.metrics import to_jsonable
-from eqx_diloco.train import main
+from eqx_diloco.lm import Trainer
+from eqx_diloco._checkpoint import Checkpointer
+from eqx_diloco.lm.resume import incompatibility
+from eqx_diloco.lm.metrics import to_jsonable
+from eqx_diloco.lm.train import main
 from util import read_metrics, train_losses
 
 TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
@@ -188,7 +188,7 @@ def _corrupt(step_dir: Path, mode: str) -> None:
 
 
 def _checkpointer(run: Path) -> tuple[Checkpointer, Trainer]:
-    from eqx_diloco.config import Config
+    from eqx_diloco.lm.config import Config
     import tyro
 
     config = tyro.cli(Config, args=[*RUN_ARGS, "--run-dir", str(run)])

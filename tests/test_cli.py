@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from eqx_diloco.train import main
+from eqx_diloco.lm.train import main
 from util import read_metrics
 
 TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from eqx_diloco import Trainer
+from eqx_diloco.lm import Trainer
 
 
 def _abstract_tokens(trainer):

@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from eqx_diloco.config import Config, ConfigError, DataConfig, validate
-from eqx_diloco.data import TokenBatches
+from eqx_diloco.lm.config import Config, ConfigError, DataConfig, validate
+from eqx_diloco.lm.data import TokenBatches
 
 
 def _tokens(n=4000):

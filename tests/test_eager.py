@@ -11,7 +11,7 @@ import pytest
 from custom_model import DEPTH, StackedMLP, loss_fn, make_batch
 from eager_reference import reference_overlapped
 from eqx_diloco import Checkpointer, ConfigError, DiLoCo, schedule
-from eqx_diloco.fragments import stack_flags
+from eqx_diloco._fragments import stack_flags
 
 LR, MU = 0.7, 0.9
 
@@ -208,7 +208,7 @@ def test_sync_now_is_refused_where_it_does_not_apply():
 
 def test_trainer_lands_the_last_exchange_unless_told_not_to(tmp_path):
     from conftest import tiny_config
-    from eqx_diloco.trainer import Trainer
+    from eqx_diloco.lm.trainer import Trainer
 
     def run(name, final_sync):
         config = tiny_config(tmp_path / name, diloco=dict(outer_overlap="eager", num_fragments=3, sync_period=3),

@@ -22,9 +22,9 @@ import pytest
 import tyro
 
 from eqx_diloco import IslandSnapshots
-from eqx_diloco.config import Config
-from eqx_diloco.data import TokenBatches, load_tokens
-from eqx_diloco.optimizers import inner_optimizer
+from eqx_diloco.lm.config import Config
+from eqx_diloco.lm.data import TokenBatches, load_tokens
+from eqx_diloco.lm.optimizers import inner_optimizer
 from models import Transformer
 from models.transformer import lm_loss
 

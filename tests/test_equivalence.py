@@ -8,8 +8,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqx_diloco import Trainer
-from eqx_diloco.outer import mean_outer_gradient
+from eqx_diloco.lm import Trainer
+from eqx_diloco._outer import mean_outer_gradient
 from util import train_losses
 
 

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_diloco import Trainer, global_model
-from eqx_diloco.export import load_model, main as export_main, read_model_info
-from eqx_diloco.sample import decode, generate, main as sample_main
+from eqx_diloco.lm import Trainer
+from eqx_diloco.lm.trainer import global_model
+from eqx_diloco.lm.export import load_model, main as export_main, read_model_info
+from eqx_diloco.lm.sample import decode, generate, main as sample_main
 from models import Transformer
 from models.transformer import lm_loss
 

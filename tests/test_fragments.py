@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eqx_diloco import schedule
-from eqx_diloco.fragments import Fragmenter, layer_groups
+from eqx_diloco._fragments import Fragmenter, layer_groups
 from models import Transformer, TransformerConfig
 
 CASES = [(L, P, pattern) for L in (1, 2, 3, 4, 6, 12) for P in range(1, L + 2) if P == 1 or L % (P - 1) == 0

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eqx_diloco import Trainer
-from eqx_diloco.launch import main as launch_main
+from eqx_diloco.lm import Trainer
+from eqx_diloco.lm.launch import main as launch_main
 from test_cli import TINY
 from util import train_losses
 

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from eqx_diloco import plot
-from eqx_diloco.config import Config, DiLoCoConfig
-from eqx_diloco.metrics import to_jsonable
-from eqx_diloco.train import main as train_main
+from eqx_diloco.lm import plot
+from eqx_diloco.lm.config import Config, DiLoCoConfig
+from eqx_diloco.lm.metrics import to_jsonable
+from eqx_diloco.lm.train import main as train_main
 
 TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
         "--train.batch-size", "4", "--data.source", "synthetic", "--checkpoint.every", "0", "--train.steps", "6",

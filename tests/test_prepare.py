@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from eqx_diloco import prepare
-from eqx_diloco.config import ConfigError, DataConfig
-from eqx_diloco.data import TokenBatches, corpus_bytes, load_tokens
-from eqx_diloco.train import main as train_main
+from eqx_diloco.lm import prepare
+from eqx_diloco.lm.config import ConfigError, DataConfig
+from eqx_diloco.lm.data import TokenBatches, corpus_bytes, load_tokens
+from eqx_diloco.lm.train import main as train_main
 from util import read_metrics
 
 VOCAB = 400

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_diloco import Trainer, quantize
+from eqx_diloco import quantize
+from eqx_diloco.lm import Trainer
 from util import read_metrics, train_losses
 
 
@@ -30,7 +31,7 @@ def test_sent_bytes_ratios_from_metrics(make_config):
 @pytest.mark.parametrize("exchange", ["gather", "two_phase"])
 def test_lossless_payload_exchange_equals_psum_in_training(make_config, monkeypatch, exchange):
     """Force format `none` through a payload exchange: same run as the psum path."""
-    import eqx_diloco.outer as outer
+    import eqx_diloco._outer as outer
 
     psum = make_config(diloco=dict(num_replicas=4, sync_period=2), train=dict(steps=6))
     Trainer(psum, verbose=False).run()

@@ -1,4 +1,4 @@
-"""The per-step exchange of replica values between processes (`eqx_diloco.replica_values`),
+"""The per-step exchange of replica values between processes (`eqx_diloco._replica_values`),
 with a stand-in for the coordinator's key-value store: a slow peer holds up the future a
 gather returns, never the caller, and the exchanges keep their call order."""
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_diloco import replica_values
-from eqx_diloco.replica_values import ReplicaGather
+from eqx_diloco import _replica_values as replica_values
+from eqx_diloco._replica_values import ReplicaGather
 
 
 class SlowPeerStore:

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_diloco import Trainer
-from eqx_diloco.diagnostics import router_drift
+from eqx_diloco.lm import Trainer
+from eqx_diloco.lm.diagnostics import router_drift
 from util import read_metrics
 
 MOE = dict(kind="moe", num_experts=4, top_k=2)

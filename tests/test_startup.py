@@ -13,11 +13,11 @@ import equinox as eqx
 import jax
 import pytest
 
-from eqx_diloco._banner import describe_setup, finished_message, format_summary, model_size
-from eqx_diloco._cache import default_cache_dir, enable_compilation_cache
-from eqx_diloco.config import Config, DiLoCoConfig
-from eqx_diloco.export import main as export_main
-from eqx_diloco.train import main as train_main
+from eqx_diloco.lm._banner import describe_setup, finished_message, format_summary, model_size
+from eqx_diloco.lm._cache import default_cache_dir, enable_compilation_cache
+from eqx_diloco.lm.config import Config, DiLoCoConfig
+from eqx_diloco.lm.export import main as export_main
+from eqx_diloco.lm.train import main as train_main
 from models import Transformer, TransformerConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def test_model_size_counts_every_parameter(model):
 
 def test_the_cli_and_the_package_import_without_jax():
     """So the setup is printed before JAX's import (seconds) starts."""
-    code = ("import sys, eqx_diloco, eqx_diloco.train, eqx_diloco._banner, models; "
+    code = ("import sys, eqx_diloco, eqx_diloco.lm.train, eqx_diloco.lm._banner, models; "
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))[:5]")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -102,8 +102,8 @@ def _fresh_python(code: str, env: dict) -> subprocess.CompletedProcess:
 def test_cache_is_written_to_the_per_user_folder_and_read_back(tmp_path):
     code = """
         import jax, jax.numpy as jnp
-        from eqx_diloco._cache import enable_compilation_cache
-        from eqx_diloco.config import Config
+        from eqx_diloco.lm._cache import enable_compilation_cache
+        from eqx_diloco.lm.config import Config
         hits = []
         jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event) if "cache_hits" in event else None)
         print(enable_compilation_cache(Config()))
@@ -143,7 +143,7 @@ def test_format_summary():
     # No checkpoints: nothing to export, so no export command.
     no_ck = format_summary({"step": 5, "sent_bytes": 0, "tokens": 7, "ddp_bytes": 100},
                            dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, every=0)))
-    assert "eqx_diloco.export" not in no_ck and "checkpoints" not in no_ck and "done: 5 steps, 7 tokens" in no_ck
+    assert "eqx_diloco.lm.export" not in no_ck and "checkpoints" not in no_ck and "done: 5 steps, 7 tokens" in no_ck
     ddp = format_summary({"step": 3, "sent_bytes": 3 * param_bytes}, Config(algorithm="ddp"))
     assert "DDP would have sent" not in ddp and "a float32 gradient every step" in ddp
     again = finished_message(config, 200)

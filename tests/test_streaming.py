@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_diloco import Trainer, schedule
+from eqx_diloco import schedule
+from eqx_diloco.lm import Trainer
 from reference import reference_diloco
 from util import read_metrics, train_losses
 

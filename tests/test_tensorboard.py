@@ -5,7 +5,7 @@ import math
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from eqx_diloco._tensorboard import TensorBoardLog, scalars
+from eqx_diloco.lm._tensorboard import TensorBoardLog, scalars
 
 
 def read(run_dir) -> EventAccumulator:

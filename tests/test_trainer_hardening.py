@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from eqx_diloco import Trainer
+from eqx_diloco.lm import Trainer
 from eqx_diloco._diloco import DiLoCo
-from eqx_diloco.train import main
+from eqx_diloco.lm.train import main
 from models import Transformer
 from util import read_metrics
 
@@ -273,7 +273,7 @@ def test_unraisablehook_drops_only_closed_event_loop_noise():
     """The hook train.py installs for TensorStore's late callbacks after a failed save."""
     from types import SimpleNamespace
 
-    from eqx_diloco.train import _quiet_closed_event_loops
+    from eqx_diloco.lm.train import _quiet_closed_event_loops
 
     seen = []
     hook = _quiet_closed_event_loops(lambda args: seen.append(args.exc_value))
@@ -289,7 +289,7 @@ def test_unretrieved_task_errors_of_a_failed_save_are_not_logged():
     """The filter train.py puts on the "asyncio" logger: the failed save's write tasks that
     nobody awaited are not reported again (they raced the one-line error under load); other
     asyncio errors still are."""
-    from eqx_diloco.train import _drop_unretrieved_task_errors
+    from eqx_diloco.lm.train import _drop_unretrieved_task_errors
 
     def record(message):
         return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)

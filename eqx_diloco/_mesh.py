@@ -8,57 +8,49 @@ of a replica live in one process, so moving data between its compute and communi
 devices is a local copy.
 """
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ._errors import ConfigError
-from ._layout import devices_needed, process_layout, wants_comm_device  # noqa: F401 (re-exported)
-
-if TYPE_CHECKING:  # the CLI's config; the library core never needs it at run time
-    from .config import Config
 
 AXES = ("diloco", "data")
 
 
-def ensure_cpu_devices(count: int) -> None:
-    """On a CPU-only machine, ask XLA for `count` simulated CPU devices.
+def use_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` simulated CPU devices; call it before any JAX computation.
 
-    Must run before JAX creates its backends; afterwards the device count is fixed and
-    `make_meshes` reports a clear error if it is too small.
+    A CPU-only machine has one device by default, and `DiLoCo` needs R x `data_parallel`
+    devices (plus one communication device per replica when syncs overlap compute). This sets JAX's global `jax_num_cpu_devices`, which can only
+    change before JAX creates its backends: `DiLoCo` never calls it for you.
+
+    **Arguments:**
+
+    - `count`: the number of CPU devices this process should have (a smaller request than the
+      current setting changes nothing).
+
+    Raises `ConfigError` if JAX has already started with fewer devices.
     """
     if jax.config.jax_num_cpu_devices >= count:
         return
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:
-        pass  # backends already exist (tests, notebooks); make_meshes checks the count
+        raise ConfigError(
+            f"use_cpu_devices({count}) must run before JAX starts (it already has {jax.config.jax_num_cpu_devices} "
+            f"CPU devices); call it first thing, or set XLA_FLAGS=--xla_force_host_platform_device_count={count}"
+        ) from None
 
 
-def setup_devices(config: "Config") -> None:
-    """Set the local device count and, for several processes, join the distributed runtime."""
-    coordinator, num_processes, process_id = process_layout(config)
-    ensure_cpu_devices(devices_needed(config))
-    if num_processes > 1:
-        if coordinator is None:
-            raise ConfigError("--dist.coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required with several processes")
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator,
-            num_processes,
-            process_id,
-            heartbeat_timeout_seconds=config.dist.heartbeat_timeout_s,
-            initialization_timeout=120,
-        )
-
-
-def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
-    """The CLI's meshes: `build_meshes` from the config's flags."""
-    d = config.diloco
-    overlapped = config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
-    return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off")
+def ensure_cpu_devices(count: int) -> None:
+    """`use_cpu_devices` where JAX may have started already (tests, the CLI): then a later
+    mesh check reports what is missing instead."""
+    try:
+        use_cpu_devices(count)
+    except ConfigError:
+        pass
 
 
 def build_meshes(
@@ -79,7 +71,7 @@ def build_meshes(
     R, D = num_replicas, data
     num_processes = jax.process_count()
     if R % num_processes:
-        raise ConfigError(f"--diloco.num-replicas must be divisible by the process count (got {R} and {num_processes})")
+        raise ConfigError(f"num_replicas must be divisible by the process count (got {R} and {num_processes})")
     local_replicas = R // num_processes
     comm = comm_device == "on" or (comm_device == "auto" and jax.default_backend() == "cpu")
     per_process = local_replicas * (D + int(comm))
@@ -88,9 +80,9 @@ def build_meshes(
         devices = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
         if len(devices) < per_process:
             raise ConfigError(
-                f"--diloco.num-replicas x (--mesh.data{' + 1 communication device' if comm else ''}) needs "
+                f"num_replicas x (data_parallel{' + 1 communication device' if comm else ''}) needs "
                 f"{per_process} devices per process, process {p} has {len(devices)} ({devices[0].platform}); "
-                f"on CPU call jax.config.update('jax_num_cpu_devices', {per_process}) before JAX starts"
+                f"on CPU call eqx_diloco.use_cpu_devices({per_process}) before JAX starts"
             )
         compute_rows.append(np.asarray(devices[: local_replicas * D]).reshape(local_replicas, D))
         comm_rows.append(np.asarray(devices[local_replicas * D : per_process]).reshape(local_replicas, int(comm)))

@@ -10,7 +10,7 @@ from typing import Any, Callable, Literal, Protocol
 
 import jax
 
-from .fragments import Fragmenter
+from ._fragments import Fragmenter
 
 PyTree = Any
 

@@ -29,8 +29,8 @@ from jaxtyping import Array
 
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
 from ._tree import all_finite
-from .groups import ParamGroup
-from .state import TrainState
+from ._groups import ParamGroup
+from ._state import TrainState
 
 PyTree = Any
 

@@ -11,11 +11,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from . import schedule
-from ._errors import ConfigError
+from .. import schedule
+from .._errors import ConfigError
 from .config import Config
-from .checkpoint import _first_line
-from .metrics import to_jsonable
+from .._checkpoint import _first_line
+from .._json import to_jsonable
 
 
 # Config fields that change the shape or meaning of the saved state. Anything else

@@ -34,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ._errors import ConfigError
-from .metrics import to_jsonable
+from ._json import to_jsonable
 
 PyTree = Any
 

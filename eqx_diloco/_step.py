@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._tree import all_finite, squeeze_replica, unsqueeze_replica
-from .state import TrainState
+from ._state import TrainState
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, PRNGKeyArray], tuple[Float[Array, ""], dict[str, Array]]]

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._elastic import REFORM_EXIT_CODE, IslandSnapshots
+from .._elastic import REFORM_EXIT_CODE, IslandSnapshots
 from .launch import _Signals, _signal_group, _stopped, _wait_or_kill, spawn
 
 

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, UInt32
 
 from ._tree import broadcast_replicas
-from .groups import ParamGroup
+from ._groups import ParamGroup
 
 PyTree = Any
 

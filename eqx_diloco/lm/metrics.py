@@ -1,6 +1,5 @@
 """metrics.jsonl, config.json and the terminal progress display."""
 
-import dataclasses
 import json
 import math
 import os
@@ -10,25 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from .._json import to_jsonable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-
-def to_jsonable(obj: Any) -> Any:
-    """`obj` as plain JSON values: dataclasses and dicts as objects, NaN and +-Inf as None (`null`)."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(x) for x in obj]
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None  # bare NaN / Infinity are not JSON
-    return obj
 
 
 def write_config(run_dir: Path, config) -> None:

@@ -5,7 +5,7 @@ within a second of starting."""
 import os
 from typing import TYPE_CHECKING
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import Config
@@ -51,3 +51,4 @@ def devices_needed(config: "Config") -> int:
         raise ConfigError(f"--dist.process-id (or $JAX_PROCESS_ID) must be in [0, {num_processes}) (got {process_id})")
     local_replicas = R // num_processes
     return local_replicas * (config.mesh.data + int(wants_comm_device(config)))
+

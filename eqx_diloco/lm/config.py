@@ -7,7 +7,7 @@ from typing import Literal
 
 from models import TransformerConfig
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 Algorithm = Literal["diloco", "ddp"]
 QuantizeFormat = Literal["none", "bf16", "fp8", "int8", "int4", "e3m0"]

@@ -26,23 +26,23 @@ from models import Transformer
 from models.moe import usage_entropy
 from models.transformer import lm_loss
 
-from . import schedule
+from .. import schedule
 from ._banner import finished_message, format_summary
-from ._diloco import DiLoCo
-from ._elastic import REFORM_EXIT_CODE, IslandSnapshots
-from ._errors import NonFiniteError
+from .._diloco import DiLoCo
+from .._elastic import REFORM_EXIT_CODE, IslandSnapshots
+from .._errors import NonFiniteError
 from ._tensorboard import TensorBoardLog
-from ._tree import row_finite
-from .checkpoint import Checkpointer, CheckpointSaveError
+from .._tree import row_finite
+from .._checkpoint import Checkpointer, CheckpointSaveError
 from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
 from .diagnostics import router_drift
-from .mesh import make_meshes
+from ._devices import make_meshes
 from .metrics import MetricsLog, ProgressDisplay, set_aside_earlier_run, write_config
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
-from .replica_values import ReplicaGather, replicated_value
+from .._replica_values import ReplicaGather, replicated_value
 from .resume import incompatibility
-from .state import TrainState
+from .._state import TrainState
 
 
 def global_model(state: TrainState) -> Transformer:
