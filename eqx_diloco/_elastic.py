@@ -16,10 +16,12 @@ optimizer state and a zero residual. The outer average of the re-formed run is t
 the R' islands that are live.
 
 Eager outer updates keep a per-replica anchor (no shared theta_g), so they are not elastic.
+
+A snapshot file is `_wire`-encoded (raw array bytes under a JSON header), never pickled: whoever can
+write to the run folder could otherwise run code in every island that re-forms from it.
 """
 
 import os
-import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from jax.experimental import multihost_utils
 from ._errors import ConfigError
 from ._replica_values import _local_rows
 from ._state import REPLICA_FIELDS, TrainState
+from ._wire import WireFormatError, decode, encode_chunks
 
 SHARED_FIELDS = ("global_params", "outer_states", "mail_mean")
 REFORM_EXIT_CODE = 75  # an island that stopped at a sync boundary so the run can re-form (a rejoin)
@@ -71,15 +74,35 @@ class IslandSnapshots:
         return steps[-1] if steps else None
 
     def load(self, step: int) -> dict[str, Any]:
-        with (self.directory / f"{step}{_SUFFIX}").open("rb") as f:
-            return pickle.load(f)
+        """The snapshot of `step` (see `island_payload`); its arrays are writable host arrays.
+
+        Raises `WireFormatError` (a `ConfigError`) naming the file if it is not a well-formed snapshot.
+        """
+        path = self.directory / f"{step}{_SUFFIX}"
+        with path.open("rb") as f:
+            # One writable buffer the arrays are views of: no second copy of a large state.
+            buffer = bytearray(os.fstat(f.fileno()).st_size)
+            read = f.readinto(buffer)
+        if read != len(buffer):
+            raise WireFormatError(f"the island snapshot {path} changed size while it was read; it was not loaded")
+        payload = decode(buffer, source=f"the island snapshot {path}")
+        _check_payload(payload, step, path)
+        return payload
 
     def write(self, payload: dict[str, Any], *, wait: bool = False) -> None:
         """Write `payload` (host arrays, see `island_payload`) in a background thread.
 
-        A previous write is finished first; an error of a previous write is raised here.
+        A previous write is finished first; an error of a previous write is raised here. A payload
+        that cannot be encoded (see `_wire.encode_chunks`) raises here, before anything is written.
+
+        **Arguments:**
+
+        - `payload`: `{"step": int, "island": int, "shared": {field: [array, ...]}, "own": {...}}`.
+        - `wait`: return only once it is on disk.
         """
         self.wait()
+        # Encoded in the caller: cheap (a header and views of the arrays), and a bad payload fails here.
+        chunks = encode_chunks(payload)
         self.directory.mkdir(parents=True, exist_ok=True)
         for torn in self.directory.glob(f"*{_SUFFIX}.tmp"):  # a write a kill interrupted
             torn.unlink(missing_ok=True)
@@ -89,7 +112,8 @@ class IslandSnapshots:
                 final = self.directory / f"{payload['step']}{_SUFFIX}"
                 tmp = final.with_name(final.name + ".tmp")
                 with tmp.open("wb") as f:
-                    pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+                    for chunk in chunks:
+                        f.write(chunk)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, final)
@@ -194,12 +218,32 @@ def reform_state(
     return TrainState(**fields, mail_own=None)
 
 
+def _check_payload(payload: Any, step: int, path: Path) -> None:
+    """Refuse a decoded snapshot that is not what `island_payload` writes (for `step`, from `path`)."""
+    def refuse(reason: str) -> WireFormatError:
+        return WireFormatError(f"the island snapshot {path} is not a snapshot of step {step} ({reason}); "
+                               f"it was not loaded")
+
+    if not isinstance(payload, dict) or set(payload) != {"step", "island", "shared", "own"}:
+        raise refuse("not an object with exactly the keys step, island, shared and own")
+    if payload["step"] != step or not isinstance(payload["step"], int) or isinstance(payload["step"], bool):
+        raise refuse(f"its step is {payload['step']!r}")
+    if not isinstance(payload["island"], int) or isinstance(payload["island"], bool):
+        raise refuse(f"its island is {payload['island']!r}")
+    for part in ("shared", "own"):
+        fields = payload[part]
+        if not isinstance(fields, dict) or not all(
+                isinstance(leaves, list) and all(isinstance(x, np.ndarray) for x in leaves)
+                for leaves in fields.values()):
+            raise refuse(f"its {part} part is not fields of array lists")
+
+
 def _check_shapes(payload: dict, template: dict, abstract: TrainState, where: Path) -> None:
     """Refuse a snapshot written by a run of another shape (every island checks its own)."""
     expected = {**{name: [(x.shape, x.dtype) for x in leaves] for name, leaves in template.items()},
                 **{name: [(x.shape[1:], x.dtype) for x in _leaves(getattr(abstract, name))] for name in REPLICA_FIELDS}}
-    found = {**{name: [(np.shape(x), np.asarray(x).dtype) for x in leaves] for name, leaves in payload["shared"].items()},
-             **{name: [(np.shape(x), np.asarray(x).dtype) for x in leaves] for name, leaves in payload["own"].items()}}
+    found = {name: [(np.shape(x), np.asarray(x).dtype) for x in leaves]
+             for part in ("shared", "own") for name, leaves in payload[part].items()}
     if found != expected:
         raise ConfigError(
             f"the island snapshots in {where} were written by a run of another shape (model, fragments, "

@@ -11,15 +11,20 @@ That channel costs round trips to the coordinator over the same link as the sync
 (where a request can also wait behind an outer gradient in the link's queue). So the
 exchange runs on a background thread (`ReplicaGather.submit`) and the training loop reads
 its result a few steps later (`--dist.metrics-lag`) instead of waiting for it every step.
+
+What a process publishes is `_wire`-encoded (raw array bytes under a JSON header), never pickled:
+anyone who can reach the coordinator's port could otherwise run code in every process.
 """
 
-import pickle
 import queue
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 import jax
 import numpy as np
+
+from ._wire import WireFormatError, decode, encode
 
 
 def replicated_value(x: jax.Array) -> np.ndarray:
@@ -81,34 +86,93 @@ class ReplicaGather:
         if client is None:  # a JAX without the private client: a device collective (may wait on syncs)
             from jax.experimental import multihost_utils
 
-            done.set_result({k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in arrays.items()})
+            done.set_result({k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+                             for k, v in arrays.items()})
             return done
         rows = {name: _local_rows(x) for name, x in arrays.items()}
+        num_rows = {name: x.shape[0] for name, x in arrays.items()}
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             # A daemon: a process that fails while an exchange waits on a dead peer must still exit.
             threading.Thread(target=self._work, args=(client,), name="eqx_diloco-replica-gather", daemon=True).start()
-        self._jobs.put((done, self.calls, rows))
+        self._jobs.put((done, self.calls, rows, num_rows))
         self.calls += 1
         return done
 
     def _work(self, client) -> None:
         while True:
-            done, call, rows = self._jobs.get()
+            done, call, rows, num_rows = self._jobs.get()
             try:
-                done.set_result(self._exchange(client, call, rows))
+                done.set_result(self._exchange(client, call, rows, num_rows))
             except BaseException as e:  # handed to whoever reads the future
                 done.set_exception(e)
 
-    def _exchange(self, client, call: int, rows: dict[str, dict[int, np.ndarray]]) -> dict[str, np.ndarray]:
+    def _exchange(self, client, call: int, rows: dict[str, dict[int, np.ndarray]],
+                  num_rows: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+        """This process's `rows` (per name, row index -> row) merged with every other process's rows of
+        the same call, each name stacked in row order.
+
+        **Arguments:**
+
+        - `client`: the distributed runtime's key-value client (`key_value_set_bytes`,
+          `blocking_key_value_get_bytes` and `key_value_delete`, which all take str keys).
+        - `call`: the call counter every process agrees on.
+        - `rows`: this process's rows (filled in with the others' rows).
+        - `num_rows`: per name, the leading size of the gathered array (then a missing row is an
+          error); None skips that check.
+        """
         key = f"eqx_diloco/replica_values/{call}"
-        client.key_value_set_bytes(f"{key}/{jax.process_index()}", pickle.dumps(rows))
+        client.key_value_set_bytes(f"{key}/{jax.process_index()}", encode(_rows_payload(rows)))
         for p in range(jax.process_count()):
             if p != jax.process_index():
-                theirs = pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{p}", self.timeout_ms))
+                source = f"the replica values of process {p} (coordinator key {key}/{p})"
+                theirs = _their_rows(decode(client.blocking_key_value_get_bytes(f"{key}/{p}", self.timeout_ms),
+                                            source=source), rows, source)
                 for name, their_rows in theirs.items():
                     rows[name].update(their_rows)
         if call > 0:
             # Everyone has published this call, so everyone has read our previous one.
             client.key_value_delete(f"eqx_diloco/replica_values/{call - 1}/{jax.process_index()}")
+        for name, n in (num_rows or {}).items():
+            if sorted(rows[name]) != list(range(n)):
+                raise RuntimeError(f"gathering {name!r}: the processes hold rows {sorted(rows[name])}, not 0..{n - 1}")
         return {name: np.stack([r[i] for i in sorted(r)]) for name, r in rows.items()}
+
+
+def _rows_payload(rows: dict[str, dict[int, np.ndarray]]) -> dict[str, dict[str, list]]:
+    """`rows` in the form `_wire` encodes: per name, the row indices and the rows (as arrays)."""
+    return {name: {"index": list(r), "rows": [np.asarray(x) for x in r.values()]} for name, r in rows.items()}
+
+
+def _their_rows(payload: Any, mine: dict[str, dict[int, np.ndarray]], source: str) -> dict[str, dict[int, np.ndarray]]:
+    """Another process's rows from its decoded `_rows_payload`, checked against this process's rows.
+
+    **Arguments:**
+
+    - `payload`: what `_wire.decode` returned for the other process's bytes.
+    - `mine`: this process's rows (per name, row index -> row); theirs must have the same names
+      and rows of the same shapes and dtypes.
+    - `source`: where `payload` came from, for the error.
+    """
+    def refuse(reason: str) -> WireFormatError:
+        return WireFormatError(f"{source} are malformed ({reason}); they were not used")
+
+    if not isinstance(payload, dict) or set(payload) != set(mine):
+        found = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise refuse(f"values {found}, expected {sorted(mine)}")
+    theirs = {}
+    for name, entry in payload.items():
+        if not isinstance(entry, dict) or set(entry) != {"index", "rows"}:
+            raise refuse(f"{name!r} is not an object with exactly the keys index and rows")
+        index, values = entry["index"], entry["rows"]
+        if not (isinstance(index, list) and isinstance(values, list) and len(index) == len(values)
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in index)):
+            raise refuse(f"{name!r}: index is not a list of row numbers as long as rows")
+        # Every row of one gathered array has its shape and dtype (np.stack would otherwise promote or fail).
+        like = {(np.shape(x), np.asarray(x).dtype) for x in mine[name].values()}
+        for row in values:
+            if not isinstance(row, np.ndarray) or (like and (row.shape, row.dtype) not in like):
+                what = f"{row.dtype}{list(row.shape)}" if isinstance(row, np.ndarray) else type(row).__name__
+                raise refuse(f"{name!r}: a row of {what}, this process's are {sorted(map(str, like))}")
+        theirs[name] = dict(zip(index, values))
+    return theirs

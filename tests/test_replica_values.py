@@ -1,8 +1,11 @@
 """The per-step exchange of replica values between processes (`eqx_diloco._replica_values`),
 with a stand-in for the coordinator's key-value store: a slow peer holds up the future a
-gather returns, never the caller, and the exchanges keep their call order."""
+gather returns, never the caller, and the exchanges keep their call order; what a peer
+publishes is decoded as `_wire` bytes, never unpickled, and checked before it is used."""
 
+import os
 import pickle
+import shlex
 import threading
 
 import jax
@@ -11,7 +14,8 @@ import numpy as np
 import pytest
 
 from eqx_diloco import _replica_values as replica_values
-from eqx_diloco._replica_values import ReplicaGather
+from eqx_diloco._replica_values import ReplicaGather, _rows_payload
+from eqx_diloco._wire import WireFormatError, decode, encode
 
 
 class SlowPeerStore:
@@ -24,11 +28,17 @@ class SlowPeerStore:
         self.lock = threading.Lock()
 
     def release(self, call: int, rows: dict[str, dict[int, np.ndarray]]) -> None:
+        """Process 1 publishes `rows` (per name, row index -> row) for `call`, as the real one would."""
+        self.release_bytes(call, encode(_rows_payload(rows)))
+
+    def release_bytes(self, call: int, value: bytes) -> None:
+        """Process 1 publishes any bytes for `call` (what someone who can reach the coordinator could do)."""
         with self.lock:
-            self.store[f"eqx_diloco/replica_values/{call}/1"] = pickle.dumps(rows)
+            self.store[f"eqx_diloco/replica_values/{call}/1"] = value
             self.released.setdefault(call, threading.Event()).set()
 
     def key_value_set_bytes(self, key: str, value: bytes) -> None:
+        assert isinstance(key, str) and isinstance(value, bytes)  # the runtime's client takes exactly these
         with self.lock:
             self.store[key] = value
 
@@ -53,14 +63,15 @@ def two_processes(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     monkeypatch.setattr(replica_values, "_kv_client", lambda: store)
+    # This process holds replica row 0 of 2 (of a one-process array, row 1 stands for the peer's shard).
+    monkeypatch.setattr(replica_values, "_local_rows", lambda x: {0: np.asarray(x)[0]})
     return store
 
 
 def test_a_slow_peer_holds_up_the_future_not_the_caller(two_processes):
     gather = ReplicaGather(timeout_s=30)
-    # This process holds replica row 0 of 2 (a one-device array stands for its shard).
-    first = gather.submit({"loss": jnp.array([1.5], jnp.float32)})
-    second = gather.submit({"loss": jnp.array([2.5], jnp.float32)})
+    first = gather.submit({"loss": jnp.array([1.5, 0.0], jnp.float32)})
+    second = gather.submit({"loss": jnp.array([2.5, 0.0], jnp.float32)})
     assert not first.done() and not second.done()  # the peer has published nothing yet
     two_processes.release(1, {"loss": {1: np.float32(4.0)}})  # out of order: call 1 before call 0
     assert not first.done()
@@ -73,7 +84,7 @@ def test_a_slow_peer_holds_up_the_future_not_the_caller(two_processes):
 
 def test_a_failed_exchange_reaches_the_reader(two_processes):
     gather = ReplicaGather(timeout_s=0)  # the peer never answers: the get times out at once
-    future = gather.submit({"loss": jnp.array([1.0], jnp.float32)})
+    future = gather.submit({"loss": jnp.array([1.0, 0.0], jnp.float32)})
     with pytest.raises(TimeoutError, match="replica_values/0/1"):
         future.result(timeout=10)
 
@@ -84,3 +95,74 @@ def test_a_single_process_gathers_at_once():
     assert future.done()
     np.testing.assert_array_equal(future.result()["loss"], [1.0, 2.0])
     np.testing.assert_array_equal(gather({"x": jnp.arange(3)})["x"], [0, 1, 2])
+
+
+def test_what_this_process_publishes_decodes_to_its_rows(two_processes):
+    gather = ReplicaGather(timeout_s=30)
+    future = gather.submit({"loss": jnp.array([1.5, 0.0], jnp.float32), "finite": jnp.array([True, False])})
+    two_processes.release(0, {"loss": {1: np.float32(3.0)}, "finite": {1: np.bool_(True)}})
+    out = future.result(timeout=10)
+    np.testing.assert_array_equal(out["loss"], [1.5, 3.0])
+    assert out["finite"].dtype == np.bool_ and out["finite"].tolist() == [True, True]
+    mine = decode(two_processes.store["eqx_diloco/replica_values/0/0"], source="test")
+    assert mine["loss"]["index"] == [0] and mine["loss"]["rows"][0].shape == () and mine["loss"]["rows"][0] == 1.5
+    assert mine["finite"]["rows"][0].dtype == np.bool_
+
+
+class RunsCode:
+    """Unpickling this runs a shell command that creates `marker` (what an attacker's payload would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def test_a_pickle_from_the_coordinator_is_refused_not_run(two_processes, tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(RunsCode(marker))
+    pickle.loads(payload)  # the payload is live: unpickled, it does run
+    assert marker.exists()
+    marker.unlink()
+    future = ReplicaGather(timeout_s=30).submit({"loss": jnp.array([1.0, 0.0], jnp.float32)})
+    two_processes.release_bytes(0, payload)
+    with pytest.raises(WireFormatError, match=r"^the replica values of process 1 \(coordinator key "
+                                              r"eqx_diloco/replica_values/0/1\) is not a valid eqx_diloco payload"):
+        future.result(timeout=10)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("rows, message", [
+    ({"loss": {1: np.float64(3.0)}}, "'loss': a row of float64[], this process's are"),
+    ({"loss": {1: np.zeros(2, np.float32)}}, "'loss': a row of float32[2]"),
+    ({"other": {1: np.float32(3.0)}}, "values ['other'], expected ['loss']"),
+])
+def test_well_encoded_rows_of_another_shape_are_refused(two_processes, rows, message):
+    future = ReplicaGather(timeout_s=30).submit({"loss": jnp.array([1.0, 0.0], jnp.float32)})
+    two_processes.release(0, rows)
+    with pytest.raises(WireFormatError, match=r"^the replica values of process 1 .* are malformed") as error:
+        future.result(timeout=10)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ([1, 2], "values list, expected ['loss']"),
+    ({"loss": {"index": [1, 2], "rows": [np.float32(1)]}}, "index is not a list of row numbers as long as rows"),
+    ({"loss": {"index": [True], "rows": [np.float32(1)]}}, "index is not a list of row numbers"),
+    ({"loss": {"index": [1], "rows": ["3.0"]}}, "a row of str"),
+    ({"loss": {"index": [1]}}, "exactly the keys index and rows"),
+])
+def test_rows_in_another_layout_are_refused(two_processes, payload, message):
+    future = ReplicaGather(timeout_s=30).submit({"loss": jnp.array([1.0, 0.0], jnp.float32)})
+    two_processes.release_bytes(0, encode(payload))
+    with pytest.raises(WireFormatError) as error:
+        future.result(timeout=10)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_row_is_an_error_not_a_shorter_array(two_processes):
+    future = ReplicaGather(timeout_s=30).submit({"loss": jnp.array([1.0, 0.0], jnp.float32)})
+    two_processes.release(0, {"loss": {}})  # the peer publishes no row: row 1 would be missing
+    with pytest.raises(RuntimeError, match=r"gathering 'loss': the processes hold rows \[0\], not 0..1"):
+        future.result(timeout=10)
