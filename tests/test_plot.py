@@ -125,3 +125,49 @@ def test_unknown_output_format_is_one_line_error(tmp_path, capsys):
     assert plot.main([str(run), "--out", str(tmp_path / "x.notaformat")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --out") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("config,message", [
+    ([1, 2], "is not a run config: expected a JSON object, got list"),
+    ({"diloco": None}, '"diloco" must be a JSON object (got null)'),
+    ({"diloco": {"num_fragments": None}}, "diloco.num_fragments must be an integer (got null)"),
+    ({"diloco": {"num_replicas": True}}, "diloco.num_replicas must be an integer (got true)"),
+    ({"diloco": {"alpha": "0.5"}}, 'diloco.alpha must be a number (got "0.5")'),
+    ({"algorithm": 3}, "algorithm must be a string (got 3)"),
+])
+def test_a_config_json_of_the_wrong_shape_is_a_one_line_error(tmp_path, capsys, config, message):
+    run = fake_run(tmp_path / "r", Config())
+    (run / "config.json").write_text(json.dumps(config))
+    assert plot.main([str(run), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run / 'config.json'}") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_odd_metrics_run_dirs_and_outputs_are_one_line_errors(tmp_path, capsys):
+    def refused(*args) -> str:
+        assert plot.main([*map(str, args)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        return err
+
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "metrics.jsonl").write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 5000, np.uint8)))
+    assert "holds no loss values" in refused(garbage, "--out", tmp_path / "g.png")  # the metrics, not --out
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert f"RUN_DIR is not a folder: {a_file}" in refused(a_file)
+    run = fake_run(tmp_path / "r", Config())
+    folder = tmp_path / "outdir"
+    folder.mkdir()
+    assert f"--out is a folder: {folder}" in refused(run, "--out", folder)
+    assert list(tmp_path.glob("outdir*")) == [folder]
+    assert f"cannot write --out {a_file / 'x.png'}" in refused(run, "--out", a_file / "x.png")  # no such folder
+
+
+def test_an_out_without_suffix_reports_the_file_it_wrote(tmp_path, capsys):
+    run = fake_run(tmp_path / "r", Config())
+    assert plot.main([str(run), "--out", str(tmp_path / "curves")]) == 0
+    assert f"wrote {tmp_path / 'curves.png'} " in capsys.readouterr().out
+    assert (tmp_path / "curves.png").stat().st_size > 10_000 and not (tmp_path / "curves").exists()

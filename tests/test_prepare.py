@@ -2,14 +2,16 @@
 downloaded), memory-mapped uint16/uint32 token files with metadata, and training on them."""
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from eqx_diloco.lm import prepare
+from eqx_diloco.lm import data, prepare
 from eqx_diloco.lm.config import ConfigError, DataConfig
-from eqx_diloco.lm.data import TokenBatches, corpus_bytes, load_tokens
+from eqx_diloco.lm.data import TokenBatches, corpus_bytes, load_tokens, token_scan_path
 from eqx_diloco.lm.train import main as train_main
 from util import read_metrics
 
@@ -104,7 +106,7 @@ def test_large_vocabulary_writes_uint32(tmp_path, tokenizer_path):
     assert tok.token_to_id("<x65999>") in ids.tolist() and int(ids.max()) > 65_535
     tokens = load_tokens(DataConfig(source="tokens", path=out), meta["vocab_size"], 0)
     assert tokens.dtype == np.uint32 and tokens.tolist() == ids.tolist()
-    with pytest.raises(ConfigError, match="--model.vocab-size is 256 but tokens.bin.json gives vocab_size 66400"):
+    with pytest.raises(ConfigError, match=f"--model.vocab-size is 256 but {out}.json gives vocab_size 66400"):
         load_tokens(DataConfig(source="tokens", path=out), 256, 0)
 
 
@@ -161,9 +163,11 @@ def test_train_three_steps_on_prepared_tokens(tmp_path, tokenizer_path, text_fil
     capsys.readouterr()
     assert train_main([*args, "--model.vocab-size", "256"]) == 2  # the tokenizer has 400 ids
     err = capsys.readouterr().err
-    assert err.startswith("error: --model.vocab-size is 256") and "--model.vocab-size 400" in err
+    assert err.startswith(f"error: --model.vocab-size is 256 but {out}.json") and "--model.vocab-size 400" in err
     assert err.count("\n") == 1
-    assert train_main([*args, "--model.vocab-size", str(VOCAB)]) == 0
+    assert train_main(args) == 0  # no --model.vocab-size: the tokenizer's, from tokens.bin.json
+    assert f"vocab        {VOCAB}, the vocab_size of {out}.json" in capsys.readouterr().out
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == VOCAB
     records = read_metrics(run)
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -197,3 +201,79 @@ def test_prepare_errors_are_one_line(tmp_path, tokenizer_path, text_file, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1], err
     assert not out.exists() and not (tmp_path / "tokens.bin.partial").exists()
+
+
+def test_prepare_records_the_largest_id_so_training_does_not_scan(tmp_path, tokenizer_path, text_file, monkeypatch):
+    out = tmp_path / "tokens.bin"
+    prepare.prepare(text_file, out, tokenizer_path, eos="<|endoftext|>")
+    ids = np.fromfile(out, "<u2")
+    assert json.loads(token_scan_path(out).read_text())["max_id"] == int(ids.max())
+    monkeypatch.setattr(data, "scan_max_id", lambda *args: pytest.fail("scanned a file prepare had described"))
+    assert len(load_tokens(DataConfig(source="tokens", path=out), VOCAB, 0)) == len(ids)
+
+
+def run_prepare(capsys, text, out, tokenizer_path, *extra) -> str:
+    """The one-line error of a refused `prepare` (exit code 2)."""
+    assert prepare.main([str(text), str(out), "--tokenizer", str(tokenizer_path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_out_may_not_be_or_lie_inside_the_input(tmp_path, tokenizer_path, text_file, capsys):
+    before = text_file.read_bytes()
+    # The same file, also spelled another way and through a link: the text would be replaced by its ids.
+    for out in (text_file, tmp_path / "sub" / ".." / text_file.name):
+        err = run_prepare(capsys, text_file, out, tokenizer_path)
+        assert f"OUT {out} is TEXT_PATH {text_file}" in err and "destroy the text" in err
+    link = tmp_path / "link.bin"
+    link.symlink_to(text_file)
+    assert "is TEXT_PATH" in run_prepare(capsys, text_file, link, tokenizer_path)
+    # OUT.json or OUT.partial would be the text (the first is written, the second deleted at the end).
+    for name, out in (("t.json", "t"), ("t.txt.partial", "t.txt")):
+        (tmp_path / name).write_text(TEXT)
+        err = run_prepare(capsys, tmp_path / name, tmp_path / out, tokenizer_path)
+        assert f"OUT.{name.split('.')[-1]} {tmp_path / name} is TEXT_PATH" in err
+        assert (tmp_path / name).read_text() == TEXT
+    assert text_file.read_bytes() == before
+    # Inside a TEXT_PATH folder: the next run would read the ids as text.
+    folder = tmp_path / "texts"
+    (folder / "deeper").mkdir(parents=True)
+    (folder / "a.txt").write_text("def a():\n")
+    for out in (folder / "tokens.bin", folder / "deeper" / "tokens.bin"):
+        err = run_prepare(capsys, folder, out, tokenizer_path)
+        assert f"OUT {out} is inside TEXT_PATH {folder}" in err
+    assert sorted(p.name for p in folder.rglob("*")) == ["a.txt", "deeper"]
+
+
+def test_non_regular_inputs_are_refused_not_read(tmp_path, tokenizer_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def hung(signum, frame):
+        raise AssertionError("prepare blocked on its input")
+
+    # Reading a FIFO without a writer, or /dev/zero, never ends: fail the test instead of hanging it.
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        for text in (fifo, "/dev/zero"):
+            err = run_prepare(capsys, text, tmp_path / "tokens.bin", tokenizer_path)
+            assert f"TEXT_PATH must be a regular file or a folder (not a device, FIFO or socket): {text}" in err
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not (tmp_path / "tokens.bin").exists()
+
+
+def test_unwritable_and_folder_outputs_and_bad_chunk_sizes(tmp_path, tokenizer_path, text_file, capsys):
+    folder = tmp_path / "outdir"
+    folder.mkdir()
+    assert f"OUT is a folder: {folder}" in run_prepare(capsys, text_file, folder, tokenizer_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    err = run_prepare(capsys, text_file, blocker / "tokens.bin", tokenizer_path)  # its folder cannot be made
+    assert f"cannot write OUT: {blocker}" in err
+    for value in ("nan", "0", "-1", "inf", "1e9"):
+        assert f"--chunk-mb must be > 0 and <= 1024 (got {float(value)})" in run_prepare(
+            capsys, text_file, tmp_path / "t.bin", tokenizer_path, "--chunk-mb", value)

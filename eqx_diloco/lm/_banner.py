@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ._layout import wants_comm_device
+from .config import token_file_vocab
 
 
 def _count(n: float) -> str:
@@ -63,10 +64,15 @@ def setup_lines(config) -> list[str]:
         checkpoints = f"every {ck.every} steps in {ck.dir or Path(config.run_dir) / 'checkpoints'} (reruns resume)"
     else:
         checkpoints = "off (--checkpoint.every 0)"
+    file_vocab = token_file_vocab(config.data)  # where the vocabulary comes from, when a token file says
+    vocab = [] if file_vocab is None else [f"  vocab        {m.vocab_size}, " + (
+        f"the vocab_size of {file_vocab[1]}" if file_vocab[0] == m.vocab_size
+        else f"from --model.vocab-size ({file_vocab[1]} gives {file_vocab[0]})")]
     return [
         f"eqx_diloco: {algorithm_line(config)}",
         f"  model        {kind}, {m.num_layers} layers, width {m.dim}, vocab {m.vocab_size}: "
         f"{_count(count)} parameters ({format_bytes(nbytes)})",
+        *vocab,
         f"  mesh         {mesh}",
         f"  data         {data}; {d.num_replicas} x {t.batch_size} sequences x {t.seq_len} tokens "
         f"= {tokens_per_step:,} tokens/step, {t.steps} steps",

@@ -3,7 +3,9 @@
 import dataclasses
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from models import TransformerConfig
 
@@ -123,6 +125,8 @@ class DistributedConfig:
     """this process's index (default: $JAX_PROCESS_ID)."""
     heartbeat_timeout_s: int = 30
     """seconds without a heartbeat after which the other processes give up on a dead one."""
+    init_timeout_s: int = 120
+    """seconds every process waits at start-up for all the others to join the coordinator; then it stops with one line naming the coordinator and the processes it waited for."""
     metrics_lag: int = 8
     """steps by which reading the other processes' per-step values (losses, finite flags, stop requests) may trail training. That exchange takes round trips to the coordinator over the same link as the syncs (where it can also queue behind an outer gradient); with a lag they overlap the next steps instead of delaying each one. Non-finite checks and agreed stops act this many steps late; evaluations, checkpoints and elastic sync boundaries still wait for everything. 0 = wait every step. Single-process runs read their values at once."""
 
@@ -154,6 +158,32 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelFlags(TransformerConfig):
+    """Shape of the model."""
+
+    # The CLI's model flags only: None (the flag not given) becomes the token file's vocab_size, else 256, in
+    # `Config.__post_init__`, which hands every reader a plain `TransformerConfig` (`models/` stays int-only).
+    vocab_size: Annotated[int | None, tyro.conf.arg(
+        metavar="INT", help="number of token ids.",
+        help_behavior_hint="(default: the vocab_size in the token file's <file>.json with --data.source tokens, "
+                           "else 256 for the byte-level sources)")] = None
+
+
+def token_file_vocab(data: DataConfig) -> tuple[int, Path] | None:
+    """(vocab_size, metadata path) from a `--data.source tokens` file's `<file>.json`, or None (another source,
+    no metadata, or metadata without a valid vocab_size: reading the tokens then reports what is wrong)."""
+    if data.source != "tokens" or data.path is None:
+        return None
+    from .data import read_token_meta, token_meta_path  # data imports this module
+
+    try:
+        vocab = read_token_meta(data.path).get("vocab_size")
+    except (ConfigError, OSError):  # never raised from Config(): tyro would show it as a traceback
+        return None
+    return (vocab, token_meta_path(data.path)) if vocab is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """eqx_diloco trainer: DiLoCo / Streaming DiLoCo / data-parallel training of a transformer LM."""
 
@@ -161,7 +191,7 @@ class Config:
     """`diloco` (Streaming DiLoCo when `--diloco.num-fragments` > 1) or `ddp` (gradients averaged over all replicas every step)."""
     run_dir: Path = Path("runs/default")
     """where metrics.jsonl, config.json and checkpoints go."""
-    model: TransformerConfig = TransformerConfig()
+    model: TransformerConfig = ModelFlags()
     diloco: DiLoCoConfig = DiLoCoConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
@@ -175,6 +205,14 @@ class Config:
     def __post_init__(self):
         # Library users write Config(run_dir="runs/x"): keep paths as Paths whatever they pass.
         object.__setattr__(self, "run_dir", Path(self.run_dir))
+        # `--model.vocab-size` not given: the token file's own vocabulary, so a 2,000-id tokenizer does not get
+        # a 32,000-row embedding (an explicit flag smaller than the file's vocab_size is refused in `open_tokens`).
+        if isinstance(self.model, ModelFlags) or self.model.vocab_size is None:
+            vocab = self.model.vocab_size
+            if vocab is None:
+                vocab = (token_file_vocab(self.data) or (256,))[0]
+            fields = {f.name: getattr(self.model, f.name) for f in dataclasses.fields(TransformerConfig)}
+            object.__setattr__(self, "model", TransformerConfig(**{**fields, "vocab_size": vocab}))
 
 
 def _require(condition: bool, message: str) -> None:

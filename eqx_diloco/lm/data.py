@@ -6,6 +6,7 @@ sees exactly the batches an uninterrupted run would have seen, with no data posi
 save beyond the step. The last `eval_fraction` of the tokens is held out for evaluation.
 """
 
+import contextlib
 import json
 import os
 import sysconfig
@@ -97,24 +98,92 @@ def read_token_meta(path: Path) -> dict:
         return {"dtype": "uint16", "vocab_size": None}
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"--data.path's metadata {meta_path} is not readable JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("dtype") not in TOKEN_DTYPES:
         raise ConfigError(f"--data.path's metadata {meta_path} must give \"dtype\": \"uint16\" or \"uint32\"")
-    vocab = meta.get("vocab_size")
-    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
-        raise ConfigError(f"--data.path's metadata {meta_path} has an invalid vocab_size: {vocab!r}")
+    for key in ("vocab_size", "num_tokens"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"--data.path's metadata {meta_path} has an invalid {key}: {value!r}")
     return meta
+
+
+# Bytes read per step of a token-file scan: memory stays bounded by this whatever the file's size.
+SCAN_CHUNK_BYTES = 1 << 24
+SCAN_FORMAT = "eqx_diloco.token-scan/1"
+
+
+def token_scan_path(path: Path | str) -> Path:
+    """The cached scan verdict beside a token file: `<file>.scan.json` (its largest id)."""
+    return Path(f"{path}.scan.json")
+
+
+def scan_max_id(path: Path, dtype: np.dtype, size: int) -> int:
+    """The largest id among the first `size` bytes of token file `path`, read in chunks of
+    `SCAN_CHUNK_BYTES` into one reused buffer. Not through a memory map: every page of a map that
+    has been read stays in the process's resident memory (a 2 GB file took 2.5 GB)."""
+    buffer = np.empty(max(1, SCAN_CHUNK_BYTES // dtype.itemsize), dtype)
+    view = memoryview(buffer).cast("B")
+    largest, left = 0, size
+    with path.open("rb") as f:  # buffered: readinto fills the whole view unless the file ends
+        while left > 0:
+            n = f.readinto(view[: min(left, len(view))])
+            if not n:
+                break  # shrank since it was measured: what is left is checked by the size rules next start
+            largest = max(largest, int(buffer[: n // dtype.itemsize].max(initial=0)))
+            left -= n
+    return largest
+
+
+def _scan_key(stat: os.stat_result, dtype_name: str) -> dict:
+    # The verdict holds for these bytes read as this dtype; any write changes the size or the mtime.
+    return {"format": SCAN_FORMAT, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype_name}
+
+
+def write_scan_cache(path: Path, dtype_name: str, max_id: int, stat: os.stat_result | None = None) -> None:
+    """Record `max_id` for token file `path` as `stat` (default: as it is now) describes it, if its folder is
+    writable (else nothing)."""
+    cache = token_scan_path(path)
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")  # processes of one run may write at once
+    try:
+        record = {**_scan_key(stat or path.stat(), dtype_name), "max_id": int(max_id)}
+        partial.write_text(json.dumps(record) + "\n")
+        os.replace(partial, cache)
+    except OSError:  # a read-only data folder (or a full disk): the next start scans again
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+
+
+def max_token_id(path: Path, dtype_name: str) -> int:
+    """The largest id in token file `path`: from `<file>.scan.json` when it was written for the file's
+    current size, mtime and dtype, else by a bounded-memory scan whose verdict is then cached there."""
+    stat = path.stat()
+    try:
+        cached = json.loads(token_scan_path(path).read_text())
+        key = _scan_key(stat, dtype_name)
+        if isinstance(cached, dict) and {k: cached.get(k) for k in key} == key:
+            value = cached.get("max_id")
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        pass  # no cache, or a damaged one: scan
+    largest = scan_max_id(path, np.dtype(TOKEN_DTYPES[dtype_name]), stat.st_size)
+    # Keyed by the stat taken before the scan: a file changed meanwhile no longer matches, and is scanned again.
+    write_scan_cache(path, dtype_name, largest, stat)
+    return largest
 
 
 def open_tokens(path: Path, vocab_size: int) -> np.ndarray:
     """Token file `path` as a read-only `np.memmap` (never read into memory as a whole).
 
     Its dtype and vocabulary size come from `<path>.json` (written by `python -m
-    eqx_diloco.prepare`); without it the file is uint16 ids and every id is checked against
-    `vocab_size` in a streaming pass.
+    eqx_diloco.prepare`); without it the file is uint16 ids. The file's size must match the
+    metadata's dtype and `num_tokens`, and its largest id (see `max_token_id`) must be below both
+    the metadata's `vocab_size` and `vocab_size`.
     """
     meta = read_token_meta(path)
+    meta_path = token_meta_path(path)
     dtype = np.dtype(TOKEN_DTYPES[meta["dtype"]])
     try:
         size = path.stat().st_size
@@ -127,24 +196,33 @@ def open_tokens(path: Path, vocab_size: int) -> np.ndarray:
             f"--data.path is {size} bytes, not a whole number of {meta['dtype']} token ids "
             f"({dtype.itemsize} bytes each): {path} is truncated or not a {meta['dtype']} token file"
         )
+    num_tokens = meta.get("num_tokens")
+    if num_tokens is not None and num_tokens * dtype.itemsize != size:
+        raise ConfigError(
+            f"--data.path {path} is {size:,} bytes, but {meta_path} gives num_tokens {num_tokens:,} of "
+            f"{meta['dtype']} ({num_tokens * dtype.itemsize:,} bytes): the file is truncated or its dtype is wrong"
+        )
     file_vocab = meta.get("vocab_size")
     if file_vocab is not None and file_vocab > vocab_size:
         raise ConfigError(
-            f"--model.vocab-size is {vocab_size} but {token_meta_path(path).name} gives vocab_size {file_vocab}: "
-            f"pass --model.vocab-size {file_vocab}"
+            f"--model.vocab-size is {vocab_size} but {meta_path} gives vocab_size {file_vocab}: "
+            f"pass --model.vocab-size {file_vocab} (or leave the flag out to take it from that file)"
         )
     try:
         tokens = np.memmap(path, dtype=dtype, mode="r")
+        largest = max_token_id(path, meta["dtype"])
     except OSError as e:
         raise ConfigError(f"--data.path is not readable: {path}: {e.strerror}") from None
-    if file_vocab is None:
-        # No metadata: check every id, streaming through the map chunk by chunk (no copy of the file).
-        chunk = 1 << 24
-        largest = max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
-        if largest >= vocab_size:
-            raise ConfigError(
-                f"--model.vocab-size must exceed every token id in --data.path (found id {largest})"
-            )
+    # An id beyond the embedding becomes NaN in the gather, which would be reported as a diverged loss.
+    if file_vocab is not None and largest >= file_vocab:
+        raise ConfigError(
+            f"--data.path {path} holds token id {largest}, but {meta_path} gives vocab_size {file_vocab}: "
+            f"the metadata's vocab_size or dtype ({meta['dtype']}) is wrong"
+        )
+    if largest >= vocab_size:
+        raise ConfigError(
+            f"--model.vocab-size must exceed every token id in --data.path (found id {largest} in {path})"
+        )
     return tokens
 
 

@@ -37,9 +37,43 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# The config.json fields a label is made of, and the JSON type each must have (when present; missing ones
+# take the trainer's defaults, so configs written before a field existed still plot).
+_LABEL_FIELDS = {
+    "algorithm": (str, "a string"),
+    "diloco.num_replicas": (int, "an integer"),
+    "diloco.sync_period": (int, "an integer"),
+    "diloco.num_fragments": (int, "an integer"),
+    "diloco.overlap_steps": (int, "an integer"),
+    "diloco.alpha": ((int, float), "a number"),
+    "diloco.quantize": (str, "a string"),
+    "diloco.error_feedback": (bool, "true or false"),
+}
+
+
+def check_config(config: Any, path: Path) -> dict[str, Any]:
+    """`config` (parsed from `path`) if it has the shape of a trainer's config.json, else a `PlotError` naming
+    the file and the first field of the wrong type (a label would otherwise fail with a traceback)."""
+    if not isinstance(config, dict):
+        raise PlotError(f"{path} is not a run config: expected a JSON object, got {type(config).__name__}")
+    if not isinstance(config.get("diloco", {}), dict):
+        raise PlotError(f"{path}: \"diloco\" must be a JSON object (got {json.dumps(config['diloco'])})")
+    for key, (kind, words) in _LABEL_FIELDS.items():
+        *parent, name = key.split(".")
+        holder = config.get(parent[0], {}) if parent else config
+        if name not in holder:
+            continue
+        value = holder[name]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise PlotError(f"{path}: {key} must be {words} (got {json.dumps(value)})")
+    return config
+
+
 def read_run(run_dir: Path | str) -> Run:
     """The train and eval curves of `run_dir` (its metrics.jsonl) and its config.json, if any."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise PlotError(f"RUN_DIR is not a folder: {run_dir} (give the run's --run-dir)")
     if not run_dir.is_dir():
         raise PlotError(f"run folder does not exist: {run_dir}")
     metrics = run_dir / "metrics.jsonl"
@@ -50,12 +84,21 @@ def read_run(run_dir: Path | str) -> Run:
     if config_path.is_file():
         try:
             config = json.loads(config_path.read_text())
-        except json.JSONDecodeError:
-            config = None  # labels fall back to the folder name
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            config = None  # a torn or overwritten file: labels fall back to the folder name
+        except OSError as e:
+            raise PlotError(f"cannot read {config_path}: {e.strerror}") from None
+        else:
+            config = check_config(config, config_path)
+    try:
+        # Undecodable bytes become U+FFFD: such a line is then not JSON and is skipped like a torn one.
+        text = metrics.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise PlotError(f"cannot read {metrics}: {e.strerror}") from None
     run = Run(run_dir, config)
     sent_at: dict[int, int] = {0: 0}
     eval_lines = []
-    for line in metrics.read_text().splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -149,6 +192,11 @@ def plot_runs(runs: list[Run], out: Path | str, *, title: str | None = None) -> 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
+    out = Path(out)
+    if out.is_dir():
+        raise PlotError(f"--out is a folder: {out} (name the image, e.g. {out / 'loss.png'})")
+    if not out.suffix:  # matplotlib would add ".png" itself: add it here, so the path reported is the one written
+        out = out.with_name(out.name + ".png")
     label_runs(runs)
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
     finals = [max((b for *_, b in r.train + r.evals), default=0) for r in runs]
@@ -186,10 +234,13 @@ def plot_runs(runs: list[Run], out: Path | str, *, title: str | None = None) -> 
     by_step.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=120)
+    except OSError as e:  # a read-only or full folder: one line, not matplotlib's traceback
+        raise PlotError(f"cannot write --out {out}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
     return out
 
 

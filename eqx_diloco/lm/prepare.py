@@ -7,7 +7,8 @@ whole lines, encodes each chunk with a Hugging Face `tokenizers` tokenizer (a
 - `OUT`: the token ids as a flat little-endian array, uint16 when every id fits in 16 bits
   (vocabulary <= 65,536) and uint32 otherwise;
 - `OUT.json`: `{"format", "dtype", "vocab_size", "num_tokens", "tokenizer", "source"}`,
-  read by the trainer for the dtype and the vocabulary size.
+  read by the trainer for the dtype and the vocabulary size;
+- `OUT.scan.json`: the largest id, so that the trainer's first start need not scan OUT for it.
 
 Memory stays bounded by the chunk size whatever the size of the text. The output is
 written under a temporary name and renamed when complete, so an interrupted run never
@@ -17,6 +18,7 @@ leaves a partial file that looks finished. Needs `tokenizers` (`pip install -e '
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .data import TOKENS_FORMAT, token_meta_path
+from .data import TOKENS_FORMAT, token_meta_path, write_scan_cache
 
 
 class PrepareError(ValueError):
@@ -36,6 +38,8 @@ class PrepareError(ValueError):
 def text_files(path: Path) -> list[Path]:
     if not path.exists():
         raise PrepareError(f"TEXT_PATH does not exist: {path}")
+    if not (path.is_file() or path.is_dir()):  # /dev/zero never ends, a FIFO without a writer blocks for ever
+        raise PrepareError(f"TEXT_PATH must be a regular file or a folder (not a device, FIFO or socket): {path}")
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     if not files:
         raise PrepareError(f"TEXT_PATH holds no files: {path}")
@@ -64,6 +68,26 @@ def chunks(file: Path, chunk_bytes: int) -> Iterator[tuple[str, int]]:
             yield carry.decode("utf-8", errors="replace"), len(carry)
 
 
+def check_outputs(text_path: Path, out: Path) -> None:
+    """Refuse an OUT whose files (OUT, OUT.json, OUT.partial) would overwrite TEXT_PATH or land inside it: the
+    output is renamed over OUT at the end, so `prepare corpus.txt corpus.txt` would replace the text by its ids,
+    and tokens written into a TEXT_PATH folder would be read as text by the next run."""
+    if out.is_dir():
+        raise PrepareError(f"OUT is a folder: {out} (name the token file, e.g. {out / 'tokens.bin'})")
+    source = text_path.resolve()
+    for name, target in (("OUT", out), ("OUT.json", token_meta_path(out)), ("OUT.partial", _partial(out))):
+        resolved = target.resolve()
+        same = resolved == source or (target.exists() and text_path.is_file() and os.path.samefile(target, text_path))
+        if same or source in resolved.parents:
+            raise PrepareError(f"{name} {target} {'is' if same else 'is inside'} TEXT_PATH {text_path}: writing it "
+                               f"would {'destroy the text' if same else 'mix tokens into the text'}; "
+                               f"choose an OUT outside TEXT_PATH")
+
+
+def _partial(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
 def load_tokenizer(path: Path):
     try:
         from tokenizers import Tokenizer
@@ -86,6 +110,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
     """
     text_path, out, tokenizer_path = Path(text_path), Path(out), Path(tokenizer_path)
     files = text_files(text_path)
+    check_outputs(text_path, out)
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype_name = "uint16" if vocab_size <= 1 << 16 else "uint32"
@@ -96,36 +121,43 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
         if eos_id is None:
             raise PrepareError(f"--eos {eos!r} is not a token of {tokenizer_path}")
     total = sum(f.stat().st_size for f in files)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    num_tokens, done = 0, 0
+    partial = _partial(out)
+    num_tokens, done, largest = 0, 0, 0
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with partial.open("wb") as sink:
             for file in files:
                 for text, nbytes in chunks(file, chunk_bytes):
-                    ids = tokenizer.encode(text, add_special_tokens=False).ids
-                    np.asarray(ids, dtype=dtype).tofile(sink)
+                    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=dtype)
+                    ids.tofile(sink)
                     num_tokens += len(ids)
+                    largest = max(largest, int(ids.max(initial=0)))
                     done += nbytes
                     if progress is not None:
                         progress(done, total, num_tokens)
                 if eos_id is not None:
                     np.asarray([eos_id], dtype=dtype).tofile(sink)
                     num_tokens += 1
+                    largest = max(largest, eos_id)
         if num_tokens == 0:
             raise PrepareError(f"TEXT_PATH holds no text to tokenize: {text_path}")
         os.replace(partial, out)
+        meta = {
+            "format": TOKENS_FORMAT,
+            "dtype": dtype_name,
+            "vocab_size": vocab_size,
+            "num_tokens": num_tokens,
+            "tokenizer": str(tokenizer_path.absolute()),
+            "source": str(text_path.absolute()),
+        }
+        token_meta_path(out).write_text(json.dumps(meta, indent=2) + "\n")
+    except OSError as e:  # an unwritable or full output folder: one line, not a traceback
+        raise PrepareError(f"cannot write OUT: {e.filename or out}: {e.strerror}") from None
     finally:
-        partial.unlink(missing_ok=True)
-    meta = {
-        "format": TOKENS_FORMAT,
-        "dtype": dtype_name,
-        "vocab_size": vocab_size,
-        "num_tokens": num_tokens,
-        "tokenizer": str(tokenizer_path.absolute()),
-        "source": str(text_path.absolute()),
-    }
-    token_meta_path(out).write_text(json.dumps(meta, indent=2) + "\n")
+        with contextlib.suppress(OSError):  # e.g. OUT's folder could not be made: there is nothing to remove
+            partial.unlink(missing_ok=True)
+    # The largest id is known here: the trainer's first start need not scan the file for it.
+    write_scan_cache(out, dtype_name, largest)
     return meta
 
 
@@ -163,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eos", default=None, help="a token appended after each file (e.g. '<|endoftext|>')")
     parser.add_argument("--chunk-mb", type=float, default=1.0, help="text read and encoded per piece (default 1 MB)")
     args = parser.parse_args(argv)
-    if args.chunk_mb <= 0:
-        print(f"error: --chunk-mb must be > 0 (got {args.chunk_mb})", file=sys.stderr)
+    # Written so that NaN fails too; the upper bound keeps one read's buffer allocatable.
+    if not 0 < args.chunk_mb <= 1024:
+        print(f"error: --chunk-mb must be > 0 and <= 1024 (got {args.chunk_mb})", file=sys.stderr)
         return 2
     progress = _Progress()
     try:
