@@ -105,3 +105,17 @@ def test_text_folder_trains_and_writes_metrics_and_config(tmp_path):
     assert train[1]["sent_bytes"] == 2 * train[0]["sent_bytes"] == 2 * train[0]["peak_sync_bytes"]
     assert [r["step"] for r in lines if "eval_loss" in r] == [0, 10]
     assert (run / "config.json").exists()
+
+
+def test_an_os_error_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """A disk error anywhere in the run (here: where the elastic progress file goes) is one line naming the
+    file, not a traceback; the trainer's own failures keep their messages."""
+    from eqx_diloco.lm import trainer
+
+    def fail(config):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "progress.json.tmp"))
+
+    monkeypatch.setattr(trainer, "train", fail)
+    assert main([*TINY, "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: Permission denied: {tmp_path / 'progress.json.tmp'}\n"

@@ -160,3 +160,51 @@ def test_elastic_loss_reforms_with_the_others(tmp_path):
     assert "island 1 exited with code 3" in err and "re-forming with islands [0, 2]" in err, err
     assert proc.returncode == 128 + signal.SIGTERM
     assert not any(_alive(pid) for pid in first + second)
+
+
+# -- who failed first: the failure markers (`launch_marker_child.py`) -----------------------------
+
+def _start_marked(tmp_path, plan: list[str], *launcher_flags: str) -> subprocess.Popen:
+    """Processes that record failure times (relative to a moment 4 s ahead, time to start) and exit as `plan`
+    says (see launch_marker_child.py)."""
+    env = dict(os.environ, MARKER_CHILD_PLAN=";".join(plan), MARKER_CHILD_T0=str(time.time() + 4),
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(len(plan)), "--module",
+           "launch_marker_child", *launcher_flags]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_process_that_failed_first_is_blamed_not_the_first_to_exit(tmp_path):
+    """Process 1 fails first (its marker says when) and is still on its way out when process 0, which ran
+    into that failure a second later, exits. Blaming the first exit named the healthy process 0."""
+    proc = _start_marked(tmp_path, ["1,1,lost contact with process 1", "0,30,No space left on device: run/x"],
+                         "--log-dir", str(tmp_path / "logs"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "error: process 1 of 2 failed first (No space left on device: run/x); stopped the other" in err, err
+    assert not list((tmp_path / "logs").glob("*.failed"))  # read, then removed: the logs say the same
+
+
+def test_elastic_drops_the_island_that_failed_first(tmp_path):
+    """The same under the elastic launcher: island 1, not island 0 (the first to exit), is the one lost."""
+    proc = _start_marked(tmp_path, ["1,1,lost contact with process 1", "0,30,Permission denied: island-1/x"],
+                         "--grace-s", "5", "--", "--elastic.enabled", "--elastic.min-replicas", "2",
+                         "--run-dir", str(tmp_path / "run"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "launcher: error: island 1 failed (Permission denied: island-1/x)" in err, err
+    assert "below --elastic.min-replicas 2" in err
+
+
+@pytest.mark.parametrize("alike", [True, False], ids=["same-error", "different-errors"])
+def test_elastic_islands_failing_alike_end_the_run_others_are_a_loss(tmp_path, alike):
+    """Every island exits 1. With the same error (up to the numbers each names: its own folder) it is the run's
+    failure; when one island's error is what the other ran into, it is a loss and the run re-forms."""
+    other = "Permission denied: island-0/x" if alike else "lost contact with process 1"
+    proc = _start_marked(tmp_path, [f"0.5,0.5,{other}", "0,0.5,Permission denied: island-1/x"],
+                         "--grace-s", "5", "--", "--elastic.enabled", "--run-dir", str(tmp_path / "run"))
+    _, err = proc.communicate(timeout=90)
+    if alike:
+        assert proc.returncode == 1 and "every island exited with code 1" in err, err
+    else:
+        assert "island 1 exited with code 1 at step -1; re-forming with islands [0]" in err, err

@@ -18,8 +18,8 @@ from util import train_losses
 STEPS = 8
 
 
-def _launch(num_processes, run_dir, *flags, **popen):
-    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(num_processes), "--",
+def _launch(num_processes, run_dir, *flags, launcher_flags=(), **popen):
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(num_processes), *launcher_flags, "--",
            *TINY, "--run-dir", str(run_dir), "--train.log-every", "1",
            # the outer optimizer of tests/conftest.py's configs (not the CLI default)
            "--diloco.outer-lr", "0.7", "--diloco.outer-momentum", "0.9", *flags]
@@ -87,6 +87,35 @@ def test_killed_process_makes_the_launcher_stop_everything_quickly(tmp_path):
     assert "process 1 of 2 was killed by signal 9" in err
     for pid in children.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_a_process_failing_alone_leaves_at_once_and_is_blamed(tmp_path):
+    """Only process 1 raises, at step 3 (the trainer's test hook): a failure only it sees. It used to wait in
+    JAX's shutdown barrier at interpreter exit, while process 0 waited for its step-3 values in the per-step
+    exchange: 2 minutes until that exchange timed out, and then the launcher blamed process 0."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    proc = _launch(2, run_dir, "--train.steps", "100000", "--diloco.num-replicas", "2", "--dist.metrics-lag", "0",
+                   launcher_flags=["--log-dir", str(logs)], env=dict(os.environ, EQX_DILOCO_TEST_FAIL_AT_STEP="1:3"))
+    try:
+        deadline = time.monotonic() + 300  # start-up and compiling, on a loaded machine
+        log = logs / "process_1.log"
+        while not (log.exists() and "fails at step 3" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        failed_at = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        took = time.monotonic() - failed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert took < 30, f"the launch ended {took:.0f} s after process 1 failed"
+    assert proc.returncode == 1, err[-3000:]
+    assert "error: process 1 of 2 exited with code 1; stopped the other processes" in err, err[-3000:]
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    assert lines[-1].startswith("error: process 1 of 2 failed: RuntimeError: ") and "fails at step 3" in lines[-1]
+    assert sum(line.startswith("error:") for line in lines) == 1, lines
 
 
 def test_launcher_rejects_bad_input(capsys):

@@ -1,5 +1,6 @@
 """The CLI's devices and meshes from its flags: CPU device count, `jax.distributed`, `build_meshes`."""
 
+import os
 from typing import TYPE_CHECKING
 
 import jax
@@ -35,3 +36,16 @@ def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
     d = config.diloco
     overlapped = config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
     return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off")
+
+
+# A test hook, read here only: "P:T" makes the process with JAX process index P raise at step T, as a
+# failure that process alone sees would (a bug, a disk error). Never set outside tests:
+# tests/test_multiprocess.py uses it to check that such a process leaves at once and is the one blamed.
+TEST_FAIL_ENV = "EQX_DILOCO_TEST_FAIL_AT_STEP"
+
+
+def fail_for_test(step: int) -> None:
+    """Raise at step `step` in the process `$EQX_DILOCO_TEST_FAIL_AT_STEP` names (tests only)."""
+    spec = os.environ.get(TEST_FAIL_ENV)
+    if spec and spec == f"{jax.process_index()}:{step}":
+        raise RuntimeError(f"${TEST_FAIL_ENV}={spec}: process {jax.process_index()} fails at step {step} (test hook)")

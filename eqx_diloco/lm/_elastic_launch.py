@@ -18,6 +18,7 @@ it from the variables `EQX_DILOCO_ISLANDS`, `EQX_DILOCO_NUM_ISLANDS` and
 
 import dataclasses
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ import time
 from pathlib import Path
 
 from .._elastic import REFORM_EXIT_CODE, IslandSnapshots
-from .launch import _Signals, _signal_group, _stopped, _wait_or_kill, spawn
+from .launch import (FAILURE_FILE_ENV, _Signals, _signal_group, _stopped, _wait_or_kill, failure_markers,
+                     first_failure, read_failure, spawn)
 
 
 @dataclasses.dataclass
@@ -56,6 +58,7 @@ class ElasticLauncher:
         self.rejoin_at: dict[int, float] = {}  # island -> when it comes back
         self.events: list[dict] = []  # to log in the next generation
         self.procs: list[subprocess.Popen] = []
+        self.markers: list[Path] = []  # where each island of the generation writes its failure marker
         self.tee = None
 
     def _say(self, message: str) -> None:
@@ -84,6 +87,8 @@ class ElasticLauncher:
                     generation += 1
             finally:
                 self._stop_all(self.grace_s)
+                for marker in self.log_dir.glob("island_*.failed"):  # read by now; the logs say the same
+                    marker.unlink(missing_ok=True)
 
     def _stop_all(self, grace_s: float) -> None:
         for p in self.procs:
@@ -110,8 +115,10 @@ class ElasticLauncher:
         for log in logs:
             with log.open("a") as f:
                 f.write(f"=== generation {generation}: islands {islands} ===\n")
+        self.markers = failure_markers(self.log_dir, "island", islands)
         env = [{"EQX_DILOCO_ISLANDS": ",".join(map(str, islands)), "EQX_DILOCO_NUM_ISLANDS": str(self.num_islands),
-                "EQX_DILOCO_ELASTIC_EVENTS": json.dumps(self.events)} for _ in islands]
+                "EQX_DILOCO_ELASTIC_EVENTS": json.dumps(self.events), FAILURE_FILE_ENV: str(marker)}
+               for marker in self.markers]
         flags = [*self.flags, "--diloco.num-replicas", str(n)]
         started = time.time()
         self.procs, self.tee = spawn(n, flags, module=self.module, prefix=self.prefix, logs=logs, env=env,
@@ -119,10 +126,14 @@ class ElasticLauncher:
         self._unlogged, self.events = self.events, []  # logged by the generation once it trains
         self._started = started
         asked_to_reform = False
+        self.exited_at: dict[int, float] = {}  # wall-clock times, comparable with the failure markers'
         while True:
             if signals.received:
                 return self._forward(signals)
             codes = [p.poll() for p in self.procs]
+            for k, c in enumerate(codes):
+                if c is not None:
+                    self.exited_at.setdefault(k, time.time())
             if all(c == 0 for c in codes):
                 self._report_end()
                 return 0
@@ -132,7 +143,7 @@ class ElasticLauncher:
             failed = [k for k, c in enumerate(codes) if c not in (None, 0, REFORM_EXIT_CODE)]
             frozen = [k for k, p in enumerate(self.procs) if codes[k] is None and _stopped(p.pid)]
             if failed or frozen:
-                return self._lost(islands, failed, frozen)
+                return self._lost(islands, frozen)
             due = [i for i, at in self.rejoin_at.items() if at <= time.time()]
             if due and not asked_to_reform and self._all_training(islands, started):
                 for p in self.procs:
@@ -145,27 +156,35 @@ class ElasticLauncher:
         """Every island of this generation finished a step (so its SIGUSR1 handler is installed)."""
         return all(self._progress(i)[1] > started for i in islands)
 
-    def _lost(self, islands: list[int], failed: list[int], frozen: list[int]) -> int | None:
+    def _lost(self, islands: list[int], frozen: list[int]) -> int | None:
         detected = time.time()
-        # The lost island: a frozen one, else one killed from outside (SIGABRT is JAX giving up on a
-        # dead peer), else the first that failed.
-        killed = [k for k in failed if self.procs[k].returncode < 0 and self.procs[k].returncode != -signal.SIGABRT]
-        first = (frozen or killed or failed)[0]
-        code = self.procs[first].returncode
-        # Everyone failing alike on their own (a refused flag, a divergence) is the run's failure, not a loss.
         deadline = time.monotonic() + self.policy.drain_s
         while time.monotonic() < deadline and not frozen:
             codes = [p.poll() for p in self.procs]
+            for k, c in enumerate(codes):
+                if c is not None:
+                    self.exited_at.setdefault(k, time.time())
             if all(c is not None for c in codes):
-                if code is not None and code > 0 and all(c == code for c in codes):
-                    self._say(f"every island exited with code {code}; see its last lines above")
-                    return code
+                # Everyone failing alike on their own (a refused flag, a divergence) is the run's failure, not a loss.
+                if self._failed_alike(codes):
+                    self._say(f"every island exited with code {codes[0]}; see its last lines above")
+                    return codes[0]
                 break
             time.sleep(0.05)
+        # The lost island, chosen before the others are stopped (see `first_failure`): a frozen one, else
+        # one killed from outside, else the one that failed first. An island that fails on its own makes
+        # the others fail a moment later, when they lose contact with it: they are not the ones lost.
+        first = first_failure(self.procs, self.exited_at, self.markers, frozen, ok=(0, REFORM_EXIT_CODE))
+        code = self.procs[first].poll()
         last_step = max(self._progress(i)[0] for i in islands)
         self._kill_all()  # survivors may wait on the lost island inside a collective
         island = islands[first]
-        how = ("was frozen" if frozen else f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        if frozen:
+            how = "was frozen"
+        elif code is None:  # its marker says it failed first, though it had not exited yet
+            how = f"failed ({(read_failure(self.markers[first]) or {}).get('error', 'no reason given')})"
+        else:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self.live.remove(island)
         resume = self._newest_snapshot(self.live)
         event = {"event": "island_lost", "island": island, "detected_unix": detected, "last_step": last_step,
@@ -186,6 +205,18 @@ class ElasticLauncher:
         self._say(f"island {island} {how} at step {last_step}; re-forming with islands {self.live} from the sync "
                   f"boundary at step {resume}{plan}")
         return None
+
+    def _failed_alike(self, codes: list[int]) -> bool:
+        """Every island exited with the same error code, and (for those that wrote a failure marker)
+        the same error: not one island's failure that the others ran into. Numbers are left out of the
+        comparison, as each island names its own folder or process."""
+        if not (codes[0] > 0 and all(c == codes[0] for c in codes)):
+            return False
+        markers = [read_failure(m) for m in self.markers]
+        if all(m is None for m in markers):
+            return True  # no island said why (not the trainer): the codes must do
+        errors = {re.sub(r"\d+", "N", str(m.get("error"))) if m else None for m in markers}
+        return len(errors) == 1 and None not in errors
 
     def _rejoin(self, started: float) -> None:
         due = sorted(i for i, at in self.rejoin_at.items() if at <= time.time())

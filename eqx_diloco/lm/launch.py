@@ -7,10 +7,10 @@ Every process runs `python -m eqx_diloco.train <flags>` (or `--module`) with the
 JAX variables (coordinator 127.0.0.1:<port>, process count, process id). Process 0's
 output streams to this terminal (its stderr is also logged); the others write to log files.
 If any process dies, the launcher stops the rest and exits non-zero naming the process that
-failed first (a frozen process rather than the one that gave up waiting on it), so nothing
-hangs. Ctrl-C is forwarded as SIGINT, SIGTERM and SIGHUP as SIGTERM; whatever still runs
-`--grace-s` seconds later is killed, and the processes die with the launcher if it is killed
-outright. A default (temporary) log folder is removed when the run succeeds, and named otherwise.
+failed first (a frozen process rather than the one that gave up waiting on it; each trainer
+records when it failed, see `record_failure`), so nothing hangs. Ctrl-C is forwarded as SIGINT,
+SIGTERM and SIGHUP as SIGTERM; whatever still runs `--grace-s` seconds later is killed, and the
+processes die with the launcher if it is killed outright. A default (temporary) log folder is removed when the run succeeds, and named otherwise.
 
 With `--elastic.enabled` among the trainer flags (one process per island), a lost island does not
 stop the run: the others are re-formed into a run of their own from their newest sync boundary,
@@ -27,6 +27,8 @@ import argparse
 import collections
 import contextlib
 import ctypes
+import json
+import math
 import os
 import re
 import shutil
@@ -37,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -79,6 +81,63 @@ class LinkLimit:
 
     def __exit__(self, *exc) -> None:
         subprocess.run(["ip", "netns", "delete", self.name], capture_output=True)
+
+
+# -- failure markers: which process failed first ------------------------------------------
+# A process that fails on its own (a disk error, Ctrl-C, a bug) makes the others fail too, a
+# moment later, when they lose contact with it. Which one exits first says little: the one that
+# failed may still be flushing its output while another already gave up on it. So each process
+# writes, at the moment it fails, the time and its one-line error to the file the launcher names
+# in this variable; the launcher blames the earliest.
+
+FAILURE_FILE_ENV = "EQX_DILOCO_FAILURE_FILE"
+
+
+def record_failure(code: int, message: str) -> None:
+    """Tell the launcher (if one set `$EQX_DILOCO_FAILURE_FILE`) that this process fails now, and why.
+
+    Only the first failure of a process is kept. Never raises: on a full disk the launcher falls
+    back to the order in which the processes exited."""
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if not path or os.path.exists(path):
+        return
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            json.dump({"time": time.time(), "code": code, "error": message}, f)
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass
+
+
+def read_failure(path: Path) -> dict | None:
+    """The marker `record_failure` wrote at `path` ({"time", "code", "error"}), or None."""
+    try:
+        marker = json.loads(path.read_text())
+        return marker if isinstance(marker, dict) and isinstance(marker.get("time"), (int, float)) else None
+    except (OSError, ValueError):
+        return None
+
+
+def first_failure(procs: list[subprocess.Popen], exited_at: dict[int, float], markers: list[Path],
+                  frozen: Sequence[int] = (), ok: tuple[int, ...] = (0,)) -> int | None:
+    """The index of the process that failed first, or None if none failed.
+
+    In order: a frozen process (the others gave up waiting on it); one killed by a signal from
+    outside (SIGABRT is JAX giving up on a lost peer, so it does not count); then the earliest time
+    of failure, from the process's marker if it wrote one (it may still be running), else from
+    when its exit with a code not in `ok` was seen (`exited_at`, wall-clock times).
+    """
+    if frozen:
+        return frozen[0]
+    codes = [p.poll() for p in procs]
+    killed = [i for i, c in enumerate(codes) if c is not None and c < 0 and c != -signal.SIGABRT]
+    if killed:
+        return min(killed, key=lambda i: exited_at.get(i, math.inf))
+    times = {i: m["time"] for i, path in enumerate(markers) if (m := read_failure(path)) is not None}
+    for i, c in enumerate(codes):
+        if c is not None and c not in ok and i not in times:
+            times[i] = exited_at.get(i, time.time())
+    return min(times, key=lambda i: (times[i], i)) if times else None
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -231,15 +290,28 @@ def _launch(num_processes: int, flags: list[str], *, module: str, prefix: list[s
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     logs = [log_dir / f"process_{i}.log" for i in range(num_processes)]
+    markers = failure_markers(log_dir, "process", range(num_processes))
+    env = [{FAILURE_FILE_ENV: str(marker)} for marker in markers]
     tee = None
     try:
         with _Signals() as signals:
-            procs, tee = spawn(num_processes, flags, module=module, prefix=prefix, logs=logs)
-            return _supervise(procs, logs, tee, signals, grace_s)
+            procs, tee = spawn(num_processes, flags, module=module, prefix=prefix, logs=logs, env=env)
+            return _supervise(procs, logs, markers, tee, signals, grace_s)
     finally:
         _stop(procs)
         if tee is not None:
             tee.join(timeout=5)
+        for marker in markers:  # read by now; the logs say the same
+            marker.unlink(missing_ok=True)
+
+
+def failure_markers(log_dir: Path, name: str, indices) -> list[Path]:
+    """Where each process writes its failure marker (`record_failure`); any left by an earlier run
+    in the same log folder are removed, so they cannot be taken for this run's."""
+    markers = [log_dir / f"{name}_{i}.failed" for i in indices]
+    for marker in markers:
+        marker.unlink(missing_ok=True)
+    return markers
 
 
 def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth: str | None, log_dir: Path,
@@ -295,15 +367,15 @@ def spawn(
     return procs, tee
 
 
-def _supervise(procs, logs, tee, signals: _Signals, grace_s: float) -> int:
+def _supervise(procs, logs, markers: list[Path], tee, signals: _Signals, grace_s: float) -> int:
     n = len(procs)
-    exited_at: dict[int, float] = {}
+    exited_at: dict[int, float] = {}  # wall-clock times, comparable with the failure markers'
     forwarded_at = None
     while True:
         now = time.monotonic()
         for i, p in enumerate(procs):
             if i not in exited_at and p.poll() is not None:
-                exited_at[i] = now
+                exited_at[i] = time.time()
         if signals.received:
             sig = signals.received[0]
             if forwarded_at is None:
@@ -325,20 +397,21 @@ def _supervise(procs, logs, tee, signals: _Signals, grace_s: float) -> int:
                 return 128 + sig
             time.sleep(0.05)
             continue
-        failed = sorted((t, i) for i, t in exited_at.items() if procs[i].returncode != 0)
-        if failed:
-            return _report_failure(procs, logs, tee, [i for _, i in failed])
+        if any(procs[i].returncode != 0 for i in exited_at):
+            return _report_failure(procs, logs, markers, exited_at, tee)
         if len(exited_at) == n:
             return 0
         time.sleep(0.05)
 
 
-def _report_failure(procs, logs, tee, failed: list[int]) -> int:
+def _report_failure(procs, logs, markers: list[Path], exited_at: dict[int, float], tee) -> int:
     """Stop everything and say which process failed first, with its last lines. Returns the exit code."""
     n = len(procs)
-    first = failed[0]
-    # Before stopping the others: a frozen process is the cause, not the one that gave up on it.
+    # Before stopping the others (which makes them exit too): a frozen process is the cause, not
+    # the one that gave up on it; else the earliest failure (see `first_failure`).
     frozen = [i for i, p in enumerate(procs) if p.poll() is None and _stopped(p.pid)]
+    first = first_failure(procs, exited_at, markers)
+    code = procs[first].poll()
     _stop([p for p in procs if p.poll() is None])
     tee.join(timeout=5)
 
@@ -346,8 +419,12 @@ def _report_failure(procs, logs, tee, failed: list[int]) -> int:
         return tee.text() if i == 0 else _tail(logs[i], 400)
 
     blamed = sorted(_blamed_tasks(output(first)) - {first})
-    code = procs[first].returncode
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    if code is None:  # its marker says it failed first, though it had not exited yet
+        marker = read_failure(markers[first]) or {}
+        code = marker.get("code") if isinstance(marker.get("code"), int) else 1
+        how = f"failed first ({marker.get('error', 'no reason given')})"
+    else:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     if frozen or blamed:
         culprit = (frozen or blamed)[0]
         why = "was stopped (frozen)" if frozen else "stopped sending heartbeats (frozen or hung)"

@@ -12,19 +12,25 @@ import logging
 import os
 import sys
 import threading
+import traceback
 
 import tyro
 
 from ._layout import devices_needed, process_layout
 from ._preflight import RunDirLock, check_memory, check_writable
 from .config import Config, ConfigError, validate
+from .launch import record_failure
 
 # Nothing above imports JAX: the flags are checked and the setup is printed within a second of
 # starting; JAX (seconds to import) comes after.
 
 
-# Set when a checkpoint save failed: orbax's threads of that save may never finish, so the
-# command-line entry point leaves with os._exit (after flushing) instead of waiting for them.
+# Whether this process leaves with os._exit (after flushing) rather than a normal interpreter exit:
+# - after a failed checkpoint save: orbax's threads of that save may never finish;
+# - in a multi-process run, after a failure this process may be alone with (a disk error, Ctrl-C,
+#   a bug): at a normal exit, JAX's atexit hook waits in `jax.distributed.shutdown` for every other
+#   process, while they wait for this one in the per-step exchange or a collective, for minutes,
+#   until a timeout. Leaving at once lets the launcher see who failed and stop the rest.
 _hard_exit = False
 
 
@@ -52,65 +58,116 @@ def _drop_unretrieved_task_errors(record: logging.LogRecord) -> bool:
     return "exception was never retrieved" not in record.getMessage()
 
 
+class _Process:
+    """Where this process stands, for the way it leaves."""
+
+    num_processes = 1
+    process_id = 0
+    joined = False  # in jax.distributed with other processes: a local failure must not wait for them
+
+
 def main(argv: list[str] | None = None) -> int:
-    global _hard_exit
     config = tyro.cli(Config, args=argv, prog="python -m eqx_diloco.train")
+    process = _Process()
     try:
-        # Every check that can fail on the flags alone runs before JAX starts or compiles.
-        validate(config)
-        _, num_processes, process_id = process_layout(config)
-        devices_needed(config)  # the process count must split the replicas
-        check_memory(config, num_processes=num_processes)
-        check_writable(config)
-        # One trainer per run folder; in a multi-process run, process 0 holds the lock for all.
-        with RunDirLock(config.run_dir) if process_id == 0 else contextlib.nullcontext():
-            if process_id == 0:
-                from ._banner import runtime_lines, setup_lines
-
-                print("\n".join(setup_lines(config)), flush=True)
-            from ._cache import enable_compilation_cache
-            from ._devices import setup_devices
-
-            setup_devices(config)
-            enable_compilation_cache(config)  # before the first compile
-            if process_id == 0:
-                print("\n".join(runtime_lines(config)), flush=True)
-            from .trainer import (  # after the device count is set
-                REFORM_EXIT_CODE, CheckpointSaveError, NonFiniteError, Reforming, TrainingStopped, train)
-
-            # A failed asynchronous save makes orbax log each of its threads' tracebacks (hundreds of
-            # lines); the one line below says what happened.
-            logging.getLogger("absl").setLevel(logging.CRITICAL)
-            logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
-            sys.unraisablehook = _quiet_closed_event_loops()
-            try:
-                train(config)
-            except NonFiniteError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-            except CheckpointSaveError as e:
-                # orbax's threads of the failed save may still raise (closed event loops) while we
-                # leave; their tracebacks would bury the one line that says what happened.
-                threading.excepthook = sys.unraisablehook = lambda args: None
-                print(f"error: {e}", file=sys.stderr)
-                _hard_exit = True
-                return 1
-            except Reforming:
-                return REFORM_EXIT_CODE  # the elastic launcher starts the next run at once
-            except TrainingStopped as e:
-                print(e, file=sys.stderr, flush=True)
-                return 128 + e.signum
+        return _main(config, process)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(process, 2, str(e))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _fail(process, 130, "interrupted")
+    except OSError as e:  # a full or read-only disk, a file removed under the run: what failed, in one line
+        return _fail(process, 1, _os_error(e))
+    except Exception as e:
+        if not process.joined:
+            record_failure(1, _one_line(e))
+            raise  # one process: Python's own traceback (this is a bug), exit 1
+        if not isinstance(e, jax_runtime_error()):
+            traceback.print_exc()  # a bug: its traceback, then the line that says which process failed
+        # A JaxRuntimeError here is the runtime losing another process (gloo's "Connection closed by peer",
+        # a timed-out exchange): one line, as this process is not the one that failed first.
+        return _fail(process, 1, f"process {process.process_id} of {process.num_processes} failed: {_one_line(e)}")
+
+
+def _main(config: Config, process: _Process) -> int:
+    # Every check that can fail on the flags alone runs before JAX starts or compiles.
+    validate(config)
+    _, process.num_processes, process.process_id = process_layout(config)
+    devices_needed(config)  # the process count must split the replicas
+    check_memory(config, num_processes=process.num_processes)
+    check_writable(config)
+    # One trainer per run folder; in a multi-process run, process 0 holds the lock for all.
+    with RunDirLock(config.run_dir) if process.process_id == 0 else contextlib.nullcontext():
+        if process.process_id == 0:
+            from ._banner import runtime_lines, setup_lines
+
+            print("\n".join(setup_lines(config)), flush=True)
+        from ._cache import enable_compilation_cache
+        from ._devices import setup_devices
+
+        setup_devices(config)
+        process.joined = process.num_processes > 1
+        enable_compilation_cache(config)  # before the first compile
+        if process.process_id == 0:
+            print("\n".join(runtime_lines(config)), flush=True)
+        from .trainer import (  # after the device count is set
+            REFORM_EXIT_CODE, CheckpointSaveError, NonFiniteError, Reforming, TrainingStopped, train)
+
+        # A failed asynchronous save makes orbax log each of its threads' tracebacks (hundreds of
+        # lines); the one line below says what happened.
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+        logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
+        sys.unraisablehook = _quiet_closed_event_loops()
+        try:
+            train(config)
+        except NonFiniteError as e:
+            # Every process reads the same exchanged values and stops at the same step: they all leave
+            # together, through JAX's shutdown as usual.
+            return _fail(process, 1, str(e), local=False)
+        except CheckpointSaveError as e:
+            # orbax's threads of the failed save may still raise (closed event loops) while we
+            # leave; their tracebacks would bury the one line that says what happened.
+            threading.excepthook = sys.unraisablehook = lambda args: None
+            return _fail(process, 1, str(e), hard=True)
+        except Reforming:
+            return REFORM_EXIT_CODE  # the elastic launcher starts the next run at once
+        except TrainingStopped as e:
+            print(e, file=sys.stderr, flush=True)
+            return 128 + e.signum
     return 0
 
 
+def _fail(process: _Process, code: int, message: str, *, local: bool = True, hard: bool = False) -> int:
+    """Say why this process fails (one line on stderr, and the launcher's failure marker) and return
+    its exit code. `local`: a failure the other processes of a multi-process run may not share, so
+    this process must not wait for them on its way out (see `_hard_exit`)."""
+    global _hard_exit
+    print(message if code == 130 else f"error: {message}", file=sys.stderr, flush=True)
+    record_failure(code, message)
+    _hard_exit = _hard_exit or hard or (local and process.joined)
+    return code
+
+
+def _one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (JAX runtime errors run over many lines)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError as `<what went wrong>: <file>` (its strerror and file name), else its text."""
+    if e.strerror and e.filename is not None:
+        return f"{e.strerror}: {e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    return _one_line(e)
+
+
+def jax_runtime_error() -> type[BaseException] | tuple[()]:
+    """JAX's runtime error class (imported only once JAX runs; a class nothing raises otherwise)."""
+    errors = sys.modules.get("jax.errors")
+    return getattr(errors, "JaxRuntimeError", ()) if errors is not None else ()
+
+
 def entry() -> None:
-    """Run `main` and exit with its code (a hard exit after a failed save; see `_hard_exit`)."""
+    """Run `main` and exit with its code (with os._exit where `_hard_exit` says so)."""
     code = main()
     if _hard_exit:
         sys.stdout.flush()

@@ -37,7 +37,7 @@ from .._checkpoint import Checkpointer, CheckpointSaveError
 from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
 from .diagnostics import router_drift
-from ._devices import make_meshes
+from ._devices import fail_for_test, make_meshes
 from .metrics import MetricsLog, ProgressDisplay, set_aside_earlier_run, write_config
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
 from .._replica_values import ReplicaGather, replicated_value
@@ -472,6 +472,7 @@ class Trainer:
             # How far routers drifted before a sync (MoE only).
             drift_fn = self.router_drift if self.moe and self.diloco else None
             state, metrics = self.core.step(state, tokens, before_sync=drift_fn)
+            fail_for_test(t)  # tests only: $EQX_DILOCO_TEST_FAIL_AT_STEP (see _devices.py)
             boundary = self.elastic and (metrics["synced_fragment"] is not None or metrics["applied_fragment"]
                                          is not None) and self.core.settled
             if step == start:  # the step programs (and those of the syncs due now) compiled in that call
