@@ -40,6 +40,9 @@ BAD = [
     (["--train.seq-len", "100000"], "--train.seq-len is too long"),
     (["--diloco.router-sync-period", "5"], "--diloco.router-sync-period needs --model.kind moe"),
     (["--model.kind", "moe", "--model.top-k", "3"], "--model.top-k must be 1 or 2"),
+    (["--dist.init-timeout-s", "0"], "--dist.init-timeout-s must be >= 1"),
+    (["--dist.num-processes", "2", "--dist.coordinator-address", "localhost"],
+     "--dist.coordinator-address must be host:port"),
 ]
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eqx_diloco.lm import Trainer
+from eqx_diloco.lm.launch import free_port
 from eqx_diloco.lm.launch import main as launch_main
 from test_cli import TINY
 from util import train_losses
@@ -116,6 +117,25 @@ def test_a_process_failing_alone_leaves_at_once_and_is_blamed(tmp_path):
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     assert lines[-1].startswith("error: process 1 of 2 failed: RuntimeError: ") and "fails at step 3" in lines[-1]
     assert sum(line.startswith("error:") for line in lines) == 1, lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process_id", [0, 1], ids=["coordinator", "process-1"])
+def test_a_process_without_its_peers_stops_after_the_init_timeout_with_one_line(tmp_path, process_id):
+    """`--dist.*` with no peer: process 0 waits for process 1 as the coordinator; process 1 finds no
+    coordinator. Either used to wait 120 s and then abort with SIGABRT and a C++ stack."""
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "eqx_diloco.train", *TINY, "--run-dir", str(tmp_path / "run"),
+                           "--dist.num-processes", "2", "--dist.process-id", str(process_id),
+                           "--dist.coordinator-address", address, "--dist.init-timeout-s", "5"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert time.monotonic() - started < 60  # start-up and 5 s, not JAX's abort 30 s later
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: process {process_id} of 2"), proc.stderr[-3000:]
+    assert address in lines[0] and "within 5 s (--dist.init-timeout-s)" in lines[0]
+    assert ("process 1 did not join" if process_id == 0 else "did not answer") in lines[0]
 
 
 def test_launcher_rejects_bad_input(capsys):

@@ -1,6 +1,9 @@
 """The CLI's devices and meshes from its flags: CPU device count, `jax.distributed`, `build_meshes`."""
 
 import os
+import socket
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 import jax
@@ -9,6 +12,7 @@ from jax.sharding import Mesh
 from .._errors import ConfigError
 from .._mesh import build_meshes, ensure_cpu_devices
 from ._layout import devices_needed, process_layout
+from .launch import record_failure
 
 if TYPE_CHECKING:
     from .config import Config
@@ -20,15 +24,69 @@ def setup_devices(config: "Config") -> None:
     ensure_cpu_devices(devices_needed(config))
     if num_processes > 1:
         if coordinator is None:
-            raise ConfigError("--dist.coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required with several processes")
+            raise ConfigError("--dist.coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required with several "
+                              "processes")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator,
-            num_processes,
-            process_id,
-            heartbeat_timeout_seconds=config.dist.heartbeat_timeout_s,
-            initialization_timeout=120,
-        )
+        join(coordinator, num_processes, process_id, heartbeat_timeout_s=config.dist.heartbeat_timeout_s,
+             timeout_s=config.dist.init_timeout_s)
+
+
+# How much later than `join` JAX's own start-up deadline falls: past that deadline JAX's C++ client aborts
+# the process (SIGABRT, a C++ stack) instead of raising, so `join` must always give up first.
+_JAX_INIT_MARGIN_S = 30
+
+
+def join(coordinator: str, num_processes: int, process_id: int, *, heartbeat_timeout_s: int, timeout_s: float) -> None:
+    """`jax.distributed.initialize`; if the processes have not all joined within `timeout_s`, one line on
+    stderr naming the coordinator and the processes waited for, and exit 1.
+
+    JAX cannot be made to raise here (see `_JAX_INIT_MARGIN_S`), but it releases the GIL while it
+    waits, so a watchdog thread can speak first. It leaves with os._exit: the runtime's threads are
+    still waiting, and a normal exit would wait for them."""
+    joined = threading.Event()
+
+    def give_up() -> None:
+        if not joined.wait(timeout_s):
+            message = join_timeout_message(coordinator, num_processes, process_id, timeout_s)
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            record_failure(1, message)
+            os._exit(1)
+
+    threading.Thread(target=give_up, name="eqx_diloco-join-timeout", daemon=True).start()
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s,
+                                   initialization_timeout=int(timeout_s) + _JAX_INIT_MARGIN_S)
+    finally:
+        joined.set()
+
+
+def join_timeout_message(coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> str:
+    """Why the run did not form within `timeout_s`: the processes waited for, or an unreachable coordinator."""
+    within = f"within {timeout_s:g} s (--dist.init-timeout-s)"
+    if process_id == 0:
+        others = list(range(1, num_processes))
+        missing = f"process {others[0]} did not" if len(others) == 1 else \
+            f"not every one of processes {', '.join(map(str, others))} did"
+        return (f"process 0 of {num_processes}, the coordinator at {coordinator}: {missing} join {within}; start "
+                f"every process with --dist.coordinator-address {coordinator} --dist.num-processes {num_processes}, "
+                f"or raise --dist.init-timeout-s")
+    if not _reachable(coordinator):
+        return (f"process {process_id} of {num_processes}: the coordinator (process 0) at {coordinator} did not "
+                f"answer {within}; start process 0 there, or raise --dist.init-timeout-s")
+    return (f"process {process_id} of {num_processes}: the coordinator at {coordinator} answers, but not all "
+            f"{num_processes} processes joined {within}; every process needs --dist.num-processes {num_processes} "
+            f"and its own --dist.process-id")
+
+
+def _reachable(address: str) -> bool:
+    """Whether something accepts TCP connections at `host:port` (the coordinator's service)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:

@@ -20,6 +20,19 @@ def process_layout(config: "Config") -> tuple[str | None, int, int]:
     return coordinator, num_processes, process_id
 
 
+def check_dist(config: "Config") -> None:
+    """The `--dist.*` flags `validate` leaves to this module: the start-up timeout, and a coordinator
+    address JAX can use (`host:port`; JAX would fail on anything else with a traceback)."""
+    if config.dist.init_timeout_s < 1:
+        raise ConfigError(f"--dist.init-timeout-s must be >= 1 (got {config.dist.init_timeout_s})")
+    coordinator, num_processes, _ = process_layout(config)
+    if num_processes > 1 and coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            source = "--dist.coordinator-address" if config.dist.coordinator_address else "$JAX_COORDINATOR_ADDRESS"
+            raise ConfigError(f"{source} must be host:port, with a port in 1-65535 (got {coordinator!r})")
+
+
 def _env_int(name: str, default: int, flag: str) -> int:
     value = os.environ.get(name, "").strip()
     if not value:

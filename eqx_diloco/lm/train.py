@@ -16,7 +16,7 @@ import traceback
 
 import tyro
 
-from ._layout import devices_needed, process_layout
+from ._layout import check_dist, devices_needed, process_layout
 from ._preflight import RunDirLock, check_memory, check_writable
 from .config import Config, ConfigError, validate
 from .launch import record_failure
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(config: Config, process: _Process) -> int:
     # Every check that can fail on the flags alone runs before JAX starts or compiles.
     validate(config)
+    check_dist(config)
     _, process.num_processes, process.process_id = process_layout(config)
     devices_needed(config)  # the process count must split the replicas
     check_memory(config, num_processes=process.num_processes)
