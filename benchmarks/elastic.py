@@ -200,7 +200,7 @@ def is_island_process(pid: int, run_dir: pathlib.Path) -> bool:
         state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
-    return state != "Z" and b"eqx_diloco.lm.train" in cmdline and str(run_dir).encode() in cmdline
+    return state != "Z" and b"eqx_diloco.train" in cmdline and str(run_dir).encode() in cmdline
 
 
 def checkpoint_saves(run_dir: pathlib.Path, since_step: int) -> list[str]:

@@ -272,12 +272,12 @@ def check_split_honoured(scale: Scale, tmp: pathlib.Path) -> None:
 
 def run_one(study: str, spec: Spec, scale: Scale, seed: int, run_dir: pathlib.Path) -> dict[str, Any]:
     """Train one run through the public API; read its final numbers and curve from metrics.jsonl."""
-    import eqx_diloco
+    from eqx_diloco.lm.trainer import train
 
     if run_dir.exists():  # a run killed half-way: start it again from scratch
         shutil.rmtree(run_dir)
     start = time.perf_counter()
-    eqx_diloco.lm.train(make_config(spec, scale, run_dir, seed), verbose=False)
+    train(make_config(spec, scale, run_dir, seed), verbose=False)
     elapsed = time.perf_counter() - start
     steps, evals = common.read_metrics(run_dir)
     if not evals or evals[-1]["step"] != scale.steps:

@@ -17,13 +17,14 @@ from typing import Any, Callable, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray
 
 from . import quantize as _quantize
 from . import schedule
-from ._errors import ConfigError
+from ._errors import ConfigError, NonFiniteError
 from ._checkpoint import Checkpointer
 from ._groups import make_groups
 from ._mesh import build_meshes
@@ -64,9 +65,9 @@ class DiLoCo:
 
     **Arguments (all keyword-only; names match the CLI's `--diloco.*` flags):**
 
-    - `loss_fn`: `loss_fn(model, batch, key) -> (loss, aux)`: a scalar loss of one
-      replica's batch (its share on one `data` device) and a dict of arrays to report
-      (may be empty). `key` is a fresh PRNG key per replica, step and `data` device.
+    - `loss_fn`: `loss_fn(model, batch, key) -> (loss, aux)` or `-> loss`: a scalar loss of
+      one replica's batch (its share on one `data` device) and optionally a dict of arrays to
+      report. `key` is a fresh PRNG key per replica, step and `data` device.
     - `layers`: a selector returning the model's stacked layer module(s), as for
       `eqx.tree_at` (`lambda m: m.blocks`, or a tuple of nodes with one common leading
       layer axis); None for a model without a layer stack (then only `num_fragments=1`).
@@ -200,10 +201,16 @@ class DiLoCo:
         _require(mesh.shape["diloco"] == num_replicas,
                  f"mesh has {mesh.shape['diloco']} rows on 'diloco', num_replicas is {num_replicas}")
         self.mesh, self.comm_mesh = mesh, comm_mesh
+        # Host-side state, all of it. The device state (`TrainState`) is the rest.
         self._bound = None  # (treedef, shapes) of the model this object was set up for
         # Launched syncs (tau > 0) or exchanges (outer_overlap) by group, not installed yet.
         self._in_flight: dict[int, InFlightSync | InFlightExchange] = {}
+        # The state this object handed out last and its step: `step` reads t from here
+        # instead of from the device (which would wait for the step in flight).
         self._last_state, self._next_step = None, 0
+        # Finite flags (R,) of finished syncs, by the step after which each finished; read
+        # in the next step, after its inner step is dispatched (so reading does not stall it).
+        self._unchecked: list[tuple[int, Array]] = []
 
     # -- set-up for one model shape -----------------------------------------------------------
 
@@ -283,6 +290,7 @@ class DiLoCo:
         # donates the state, which would delete the caller's model arrays with it.
         state = build(jax.tree.map(jnp.copy, params), key)
         self._in_flight.clear()
+        self._unchecked.clear()
         self._last_state, self._next_step = state, 0
         return state
 
@@ -386,15 +394,26 @@ class DiLoCo:
         `finite` of shape (R,), the loss's aux outputs with a leading R axis, and, when a
         sync finished at this step, `sync_finite` (R,); plus host ints (or None)
         `synced_fragment` / `applied_fragment`. Reading metrics blocks; the step does not.
+
+        **Raises:** `NonFiniteError` in the step after a sync whose outer gradient was non-finite
+        (`on_nonfinite="stop"`: in any replica; `"skip"`: in every replica) or whose outer step
+        would have made theta_g non-finite. Such an outer step is never applied.
+        `ConfigError` if a batch leaf lacks the leading replica axis of size R.
         """
+        self._check_batch(batch)
         t = self._current_step(state) + 1
         state, metrics = self.inner_step(state, batch)
+        if self._unchecked:
+            # The flags of syncs that finished before this step, read once this step is
+            # dispatched: the devices keep working while the host waits for them.
+            self._check_nonfinite()
         if before_sync is not None:
             due = self.is_diloco and (self.events(t)[0] is not None or self.router_due(t))
             metrics["before_sync"] = before_sync(state) if due else None
         state, finite, synced, applied = self.outer_steps(state, t)
         if finite is not None:
             metrics["sync_finite"] = finite
+            self._unchecked.append((t, finite))
         metrics["synced_fragment"], metrics["applied_fragment"] = synced, applied
         self._last_state, self._next_step = state, t
         return state, metrics
@@ -412,6 +431,7 @@ class DiLoCo:
         for group in sorted(self._in_flight):
             state, finite = install(state, self._in_flight.pop(group))
             finished.append(finite)
+            self._unchecked.append((self._next_step, finite))
         if self._last_state is not None:
             self._last_state = state
         return state, finished
@@ -448,6 +468,93 @@ class DiLoCo:
                 self._last_state = state
         return state
 
+    def finish(self, state: TrainState) -> TrainState:
+        """End of training: after it, `global_model(state)` includes every inner step taken.
+
+        Settles the syncs in flight, gives every parameter group whose last sync is older than
+        the last step one more outer step (with Streaming DiLoCo every fragment but the one
+        that synced last; with any `sync_period` that does not divide the step count, all of
+        them), and lands the exchanges still on their way (`outer_overlap` delayed / eager).
+        The replicas are not merged: training is over. Call it once, after the last `step`;
+        data-parallel training has nothing to finish.
+
+        **Arguments:**
+
+        - `state`: the state after the last step (donated: use the returned one).
+
+        **Returns:** the finished state, to evaluate, export or save.
+
+        **Raises:** `NonFiniteError` as `step` does, for every sync it ran or settled.
+        """
+        if not self.is_diloco:
+            return state
+        t = self._current_step(state)
+        state, _ = self.settle(state)
+        stale = self.stale_groups(t)
+        if self.overlapped is not None:
+            for group in stale:
+                state = self.sync_now(state, group)
+            state, _ = self.settle(state)  # their flags are checked before the exchanges land
+            self._check_nonfinite()
+            state = self.drain(state)
+        else:
+            for group in stale:
+                state, finite = self.outer.sync(state, group)
+                self._unchecked.append((t, finite))
+        self._check_nonfinite()
+        self._last_state, self._next_step = state, t
+        return state
+
+    def stale_groups(self, t: int) -> list[int]:
+        """The parameter groups whose last scheduled sync is older than step `t` (see `finish`)."""
+        stale = []
+        for group in range(len(self.groups)):
+            if group == self.router_group:
+                last = t - t % self.router_sync_period
+            else:
+                last = max(schedule.sync_steps(group, self.sync_period, self.num_fragments, t), default=0)
+            if last < t:
+                stale.append(group)
+        return stale
+
+    def _check_nonfinite(self) -> None:
+        """Raise `NonFiniteError` for the first unread sync flags that the policy does not accept.
+
+        A process reads the rows of the replicas it holds (no collective); in a multi-process
+        run the process holding a bad replica raises.
+        """
+        unchecked, self._unchecked = self._unchecked, []
+        for t, finite in unchecked:
+            rows = {}
+            for shard in finite.addressable_shards:
+                start = shard.index[0].start or 0
+                for offset, ok in enumerate(np.asarray(shard.data)):
+                    rows[start + offset] = bool(ok)
+            bad = sorted(r for r, ok in rows.items() if not ok)
+            if not bad:
+                continue
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"non-finite outer gradient (or outer step) of replica {bad[0]} at the sync after step {t}; "
+                    f"the global model keeps its last finite values (on_nonfinite='stop'; 'skip' leaves such a "
+                    f"replica out of the mean)"
+                )
+            if len(bad) == self.num_replicas:
+                raise NonFiniteError(
+                    f"non-finite outer gradient (or outer step) in every replica at the sync after step {t}: "
+                    f"on_nonfinite='skip' has nothing left to average"
+                )
+
+    def _check_batch(self, batch: PyTree) -> None:
+        R = self.num_replicas
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            shape = getattr(leaf, "shape", ())
+            if len(shape) < 2 or shape[0] != R:
+                raise ConfigError(
+                    f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has shape {tuple(shape)}: every leaf "
+                    f"needs a leading replica axis of size num_replicas={R}, then the replica's batch axis"
+                )
+
     def global_params(self, state: TrainState) -> PyTree:
         """theta_g with in-flight results included (the state is not consumed); ddp: replica 0."""
         if not self.is_diloco:
@@ -473,20 +580,31 @@ class DiLoCo:
         # A copy: the next step donates the state, and the model handed out must outlive it.
         return eqx.combine(jax.tree.map(jnp.copy, self.global_params(state)), self._static)
 
-    def replica_models(self, state: TrainState) -> PyTree:
-        """Every replica's model, leaves with a leading replica axis (for diagnostics)."""
-        return eqx.combine(state.params, self._static)
-
     # -- checkpoints -------------------------------------------------------------------------
 
-    def save(self, checkpointer: Checkpointer, state: TrainState, *, metadata: Any = None) -> TrainState:
-        """Settle in-flight syncs, then start an asynchronous Orbax save at the state's step.
+    def save(
+        self, checkpointer: Checkpointer, state: TrainState, *, metadata: Any = None, force: bool = False
+    ) -> TrainState:
+        """Save when `checkpointer.every` says a save is due at the state's step (or `force`).
 
-        Returns the settled state (use it from here on). `metadata` (JSON-able, e.g. your
-        config) is stored beside the arrays and handed to `restore`'s `check`.
+        Call it after every step: off-schedule steps return at once. A due save settles the
+        in-flight syncs, then starts an asynchronous Orbax save.
+
+        **Arguments:**
+
+        - `checkpointer`: where and how often (`every`; 0 never saves, not even with `force`).
+        - `state`: the current state (donated when a save is due: use the returned one).
+        - `metadata`: JSON-able (e.g. your config), stored beside the arrays and handed to
+          `restore`'s `check`.
+        - `force`: save at this step even if it is off the schedule (the end of a run).
+
+        **Returns:** the state to use from here on (settled if a save ran).
         """
+        step = self._current_step(state)
+        if not (force or checkpointer.due(step)):
+            return state
         state, _ = self.settle(state)
-        checkpointer.save(self._current_step(state), state, metadata)
+        checkpointer.save(step, state, metadata)
         return state
 
     def restore(

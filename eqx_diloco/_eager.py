@@ -157,7 +157,12 @@ class OverlappedOuter:
                     updates, outer_state = jax.vmap(opt.update)(proxies, state.outer_states[i], anchors)
                 else:
                     updates, outer_state = opt.update(mean_prev, state.outer_states[i], anchors)
-            anchors = optax.apply_updates(anchors, updates)
+            # The anchors never take a non-finite value (the host raises on the flags of the
+            # exchange that brought it); the replicas then restart from the old anchors.
+            new_anchors = optax.apply_updates(anchors, updates)
+            ok = all_finite(new_anchors)
+            anchors = [jnp.where(ok, n, a) for n, a in zip(new_anchors, anchors)]
+            outer_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), outer_state, state.outer_states[i])
             restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
             state = dataclasses.replace(
                 state,
@@ -199,7 +204,9 @@ class OverlappedOuter:
             # An empty remainder (nothing arrived, R = 1, or drained already) leaves the anchors
             # bit-exact: u(0) - u(0) may round to a few ulps once XLA folds the zeros.
             landed = jnp.any(jnp.stack([jnp.any(r != 0) for r in rem]))
-            anchors = [jnp.where(landed, a + (u - z), a) for a, u, z in zip(anchors, with_rem, without)]
+            landed_anchors = [a + (u - z) for a, u, z in zip(anchors, with_rem, without)]
+            landed = landed & all_finite(landed_anchors)  # never a non-finite global model
+            anchors = [jnp.where(landed, n, a) for a, n in zip(anchors, landed_anchors)]
             replicas = group.get(state.params, layer_axis=1)
             restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
             empty = lambda mail: _replace(mail, i, [jnp.zeros_like(x) for x in mail[i]])  # noqa: E731

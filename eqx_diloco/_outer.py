@@ -245,8 +245,17 @@ class OuterSync:
         def core(replica_values, global_values, outer_state, residuals):
             mean_delta, finite, new_residuals = exchange(replica_values, global_values, residuals)
             with jax.numpy_dtype_promotion("standard"):  # optax mixes weak floats and int32 counts
-                updates, outer_state = self.outer_opt.update(mean_delta, outer_state, global_values)
-            return optax.apply_updates(global_values, updates), outer_state, finite, new_residuals
+                updates, new_outer_state = self.outer_opt.update(mean_delta, outer_state, global_values)
+            new_global = optax.apply_updates(global_values, updates)
+            # theta_g never takes a non-finite value: such an outer step is not applied (under
+            # `stop`, neither is one with any non-finite replica). If every replica's outer
+            # gradient was finite and the step still was not, every flag reads False, so the host
+            # raises or reports it; otherwise the flags name the replicas that caused it.
+            global_ok = all_finite(new_global)
+            apply = global_ok if self.skip_nonfinite else global_ok & jnp.all(finite)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+            finite = jnp.where(jnp.all(finite) & ~global_ok, jnp.zeros_like(finite), finite)
+            return keep(new_global, global_values), keep(new_outer_state, outer_state), finite, new_residuals
 
         return core
 
@@ -329,13 +338,3 @@ class OuterSync:
                 (global_values, outer_state, finite, residuals), self.comm_mesh, self.mesh
             )
         return self._fns["install"][in_flight.group](state, global_values, outer_state, residuals), finite
-
-    def nbytes(self, state: TrainState, group: int) -> int:
-        """Payload bytes one replica encodes for one sync of `group` (scales and padding included)."""
-        shapes = [v.shape for v in self.groups[group].get(state.global_params)]
-        return sync_nbytes(shapes, self.fmt, self.mesh.shape["diloco"], self.exchange)
-
-    def wire_nbytes(self, state: TrainState, group: int) -> int:
-        """Bytes one replica's collectives move for one sync of `group` (ring all-reduce for psum)."""
-        shapes = [v.shape for v in self.groups[group].get(state.global_params)]
-        return sync_wire_nbytes(shapes, self.fmt, self.mesh.shape["diloco"], self.exchange)

@@ -56,7 +56,8 @@ def make_inner_step(
         shard_key = jax.random.fold_in(step_key, jax.lax.axis_index("data"))
 
         def objective(p):
-            loss, aux = loss_fn(eqx.combine(p, static), batch, shard_key)
+            out = loss_fn(eqx.combine(p, static), batch, shard_key)
+            loss, aux = out if isinstance(out, tuple) else (out, {})  # a bare scalar loss is fine too
             return jax.lax.pmean(loss, "data"), jax.lax.pmean(aux, "data")
 
         (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)

@@ -22,14 +22,14 @@ from eqx_diloco.lm.metrics import MetricsLog
 from models import Transformer, TransformerConfig
 
 TINY = TransformerConfig(num_layers=1, dim=16, num_heads=2, mlp_ratio=2)
-TRAIN = ("eqx_diloco.lm.train", "--train.steps", "2", "--run-dir", "{tmp}/run")
+TRAIN = ("eqx_diloco.train", "--train.steps", "2", "--run-dir", "{tmp}/run")
 
 # (id, argv (module first), extra environment, what the one line must name)
 CASES = [
     ("data-path-without-source", [*TRAIN, "--data.path", "{tmp}/file"], {}, "--data.path"),
     ("max-corpus-bytes-0", [*TRAIN, "--data.max-corpus-bytes", "0"], {}, "--data.max-corpus-bytes"),
     ("max-corpus-bytes-negative", [*TRAIN, "--data.max-corpus-bytes", "-1"], {}, "--data.max-corpus-bytes"),
-    ("empty-run-dir", ["eqx_diloco.lm.train", "--run-dir", ""], {}, "--run-dir"),
+    ("empty-run-dir", ["eqx_diloco.train", "--run-dir", ""], {}, "--run-dir"),
     ("negative-heartbeat", [*TRAIN, "--dist.heartbeat-timeout-s", "-5"], {}, "--dist.heartbeat-timeout-s"),
     ("negative-seed", [*TRAIN, "--train.seed", "-1"], {}, "--train.seed"),
     ("b1-is-1", [*TRAIN, "--train.b1", "1.0"], {}, "--train.b1"),
@@ -41,8 +41,8 @@ CASES = [
     ("text-dev-zero", [*TRAIN, "--data.source", "text", "--data.path", "/dev/zero"], {}, "--data.path"),
     ("text-fifo", [*TRAIN, "--data.source", "text", "--data.path", "{tmp}/fifo"], {}, "--data.path"),
     ("tokens-dev-zero", [*TRAIN, "--data.source", "tokens", "--data.path", "/dev/zero"], {}, "--data.path"),
-    ("run-dir-is-a-file", ["eqx_diloco.lm.train", "--run-dir", "{tmp}/file"], {}, "--run-dir"),
-    ("run-dir-under-a-file", ["eqx_diloco.lm.train", "--run-dir", "{tmp}/file/run"], {}, "--run-dir"),
+    ("run-dir-is-a-file", ["eqx_diloco.train", "--run-dir", "{tmp}/file"], {}, "--run-dir"),
+    ("run-dir-under-a-file", ["eqx_diloco.train", "--run-dir", "{tmp}/file/run"], {}, "--run-dir"),
     ("checkpoint-dir-is-a-file", [*TRAIN, "--checkpoint.dir", "{tmp}/file"], {}, "--checkpoint.dir"),
     ("checkpoint-dir-under-a-file", [*TRAIN, "--checkpoint.dir", "{tmp}/file/ck"], {}, "--checkpoint.dir"),
     ("more-processes-than-replicas-env", list(TRAIN), {"JAX_NUM_PROCESSES": "3"}, "--diloco.num-replicas"),
@@ -50,11 +50,11 @@ CASES = [
     ("more-processes-than-replicas-flag", [*TRAIN, "--dist.num-processes", "3"], {}, "--diloco.num-replicas"),
     ("huge-eval-sequences", [*TRAIN, "--train.eval-sequences", "100000000"], {}, "--train.eval-sequences"),
     ("huge-batch", [*TRAIN, "--train.batch-size", "100000000"], {}, "--train.batch-size"),
-    ("launch-3-processes-2-replicas", ["eqx_diloco.lm.launch", "--num-processes", "3", "--", "--train.steps", "1"], {},
+    ("launch-3-processes-2-replicas", ["eqx_diloco.launch", "--num-processes", "3", "--", "--train.steps", "1"], {},
      "--num-processes"),
     ("launch-4-processes-6-replicas",
-     ["eqx_diloco.lm.launch", "--num-processes", "4", "--", "--diloco.num-replicas=6"], {}, "--num-processes"),
-    ("launch-0-processes", ["eqx_diloco.lm.launch", "--num-processes", "0"], {}, "--num-processes"),
+     ["eqx_diloco.launch", "--num-processes", "4", "--", "--diloco.num-replicas=6"], {}, "--num-processes"),
+    ("launch-0-processes", ["eqx_diloco.launch", "--num-processes", "0"], {}, "--num-processes"),
     ("elastic-eager", [*TRAIN, "--elastic.enabled", "--diloco.outer-overlap", "eager"], {}, "--elastic.enabled"),
     ("elastic-ddp", [*TRAIN, "--algorithm", "ddp", "--elastic.enabled"], {}, "--elastic.enabled"),
     ("elastic-keep-1-snapshot", [*TRAIN, "--elastic.enabled", "--elastic.keep-snapshots", "1"], {},
@@ -62,35 +62,35 @@ CASES = [
     ("elastic-min-replicas-0", [*TRAIN, "--elastic.min-replicas", "0"], {}, "--elastic.min-replicas"),
     ("elastic-one-process-two-replicas", [*TRAIN, "--elastic.enabled"], {}, "--elastic.enabled"),
     ("launch-max-restarts-without-elastic",
-     ["eqx_diloco.lm.launch", "--num-processes", "2", "--max-restarts", "1", "--", "--train.steps", "1"], {},
+     ["eqx_diloco.launch", "--num-processes", "2", "--max-restarts", "1", "--", "--train.steps", "1"], {},
      "--max-restarts"),
     ("launch-elastic-3-processes-2-replicas",
-     ["eqx_diloco.lm.launch", "--num-processes", "3", "--", "--elastic.enabled", "--diloco.num-replicas", "2"], {},
+     ["eqx_diloco.launch", "--num-processes", "3", "--", "--elastic.enabled", "--diloco.num-replicas", "2"], {},
      "--num-processes"),
     ("launch-elastic-min-replicas-above-islands",
-     ["eqx_diloco.lm.launch", "--num-processes", "2", "--", "--elastic.enabled", "--elastic.min-replicas", "3"], {},
+     ["eqx_diloco.launch", "--num-processes", "2", "--", "--elastic.enabled", "--elastic.min-replicas", "3"], {},
      "--elastic.min-replicas"),
-    ("launch-negative-drain", ["eqx_diloco.lm.launch", "--num-processes", "2", "--drain-s", "-1"], {}, "--drain-s"),
-    ("export-to-a-folder", ["eqx_diloco.lm.export", "{tmp}/no-run", "{tmp}"], {}, "OUT"),
-    ("sample-truncated-model", ["eqx_diloco.lm.sample", "{tmp}/truncated.eqx"], {}, "truncated.eqx"),
-    ("sample-random-model", ["eqx_diloco.lm.sample", "{tmp}/random.eqx"], {}, "random.eqx"),
-    ("sample-mismatched-metadata", ["eqx_diloco.lm.sample", "{tmp}/mismatched.eqx"], {}, "mismatched.eqx"),
-    ("sample-metadata-not-json", ["eqx_diloco.lm.sample", "{tmp}/notjson.eqx"], {}, "notjson.eqx.json"),
-    ("sample-invalid-utf8-prompt", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--prompt", b"\xff\xfe"], {},
+    ("launch-negative-drain", ["eqx_diloco.launch", "--num-processes", "2", "--drain-s", "-1"], {}, "--drain-s"),
+    ("export-to-a-folder", ["eqx_diloco.export", "{tmp}/no-run", "{tmp}"], {}, "OUT"),
+    ("sample-truncated-model", ["eqx_diloco.sample", "{tmp}/truncated.eqx"], {}, "truncated.eqx"),
+    ("sample-random-model", ["eqx_diloco.sample", "{tmp}/random.eqx"], {}, "random.eqx"),
+    ("sample-mismatched-metadata", ["eqx_diloco.sample", "{tmp}/mismatched.eqx"], {}, "mismatched.eqx"),
+    ("sample-metadata-not-json", ["eqx_diloco.sample", "{tmp}/notjson.eqx"], {}, "notjson.eqx.json"),
+    ("sample-invalid-utf8-prompt", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--prompt", b"\xff\xfe"], {},
      "--prompt"),
-    ("sample-token-beyond-vocab", ["eqx_diloco.lm.sample", "{tmp}/ids.eqx", "--prompt", "1 300"], {}, "--prompt"),
-    ("sample-negative-token", ["eqx_diloco.lm.sample", "{tmp}/ids.eqx", "--prompt", "5 -1"], {}, "--prompt"),
-    ("sample-token-not-a-number", ["eqx_diloco.lm.sample", "{tmp}/ids.eqx", "--prompt", "a b"], {}, "--prompt"),
-    ("sample-huge-context", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--context", "30000"], {}, "--context"),
-    ("sample-temperature-nan", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--temperature", "nan"], {}, "--temperature"),
-    ("sample-temperature-inf", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--temperature", "inf"], {}, "--temperature"),
+    ("sample-token-beyond-vocab", ["eqx_diloco.sample", "{tmp}/ids.eqx", "--prompt", "1 300"], {}, "--prompt"),
+    ("sample-negative-token", ["eqx_diloco.sample", "{tmp}/ids.eqx", "--prompt", "5 -1"], {}, "--prompt"),
+    ("sample-token-not-a-number", ["eqx_diloco.sample", "{tmp}/ids.eqx", "--prompt", "a b"], {}, "--prompt"),
+    ("sample-huge-context", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--context", "30000"], {}, "--context"),
+    ("sample-temperature-nan", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--temperature", "nan"], {}, "--temperature"),
+    ("sample-temperature-inf", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--temperature", "inf"], {}, "--temperature"),
 ]
 
 # Commands that succeed, run by the same forking runner: it reports what `python -m` would.
 GOOD_CASES = [
-    ("sample-greedy", ["eqx_diloco.lm.sample", "{tmp}/bytes.eqx", "--prompt", "ab", "--max-new-tokens", "3",
+    ("sample-greedy", ["eqx_diloco.sample", "{tmp}/bytes.eqx", "--prompt", "ab", "--max-new-tokens", "3",
                        "--temperature", "0"], {}),
-    ("train-help", ["eqx_diloco.lm.train", "--help"], {}),
+    ("train-help", ["eqx_diloco.train", "--help"], {}),
 ]
 
 
@@ -161,7 +161,7 @@ def test_the_forking_runner_reports_what_python_m_would(results):
 def test_second_trainer_on_a_locked_run_dir_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     with RunDirLock(run_dir):
-        proc = _run(["eqx_diloco.lm.train", "--run-dir", str(run_dir), "--train.steps", "1"], {}, tmp_path)
+        proc = _run(["eqx_diloco.train", "--run-dir", str(run_dir), "--train.steps", "1"], {}, tmp_path)
     err = proc.stderr.decode()
     assert proc.returncode == 2, err
     assert err.strip().splitlines() == [f"error: --run-dir {run_dir} is in use by another trainer (pid {os.getpid()})"]

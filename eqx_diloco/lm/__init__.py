@@ -15,7 +15,7 @@ _LAZY = {
          "validate"],
         ".config",
     ),
-    **dict.fromkeys(["Trainer", "train"], ".trainer"),
+    "Trainer": ".trainer",
 }
 
 
