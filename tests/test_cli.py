@@ -115,10 +115,10 @@ def test_an_os_error_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
     file, not a traceback; the trainer's own failures keep their messages."""
     from eqx_diloco.lm import trainer
 
-    def fail(config):
+    def fail(self):
         raise PermissionError(13, "Permission denied", str(tmp_path / "progress.json.tmp"))
 
-    monkeypatch.setattr(trainer, "train", fail)
+    monkeypatch.setattr(trainer.Trainer, "run", fail)
     assert main([*TINY, "--run-dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert err == f"error: Permission denied: {tmp_path / 'progress.json.tmp'}\n"

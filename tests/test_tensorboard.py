@@ -1,11 +1,16 @@
 """TensorBoard event files: written by TensorBoardLog, read back with TensorBoard's own reader."""
 
+import errno
 import math
+import os
+import re
+import threading
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from eqx_diloco.lm._tensorboard import TensorBoardLog, scalars
+from eqx_diloco.lm.metrics import LogWriteError
 
 
 def read(run_dir) -> EventAccumulator:
@@ -72,3 +77,36 @@ def test_disabled_writes_nothing(tmp_path):
     log.write({"step": 1, "loss": 1.0})
     log.close()
     assert not (tmp_path / "run").exists()
+
+
+class _FullDisk:
+    """An event file that fails as a full disk does."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+def test_a_failed_write_raises_once_naming_the_file_and_later_records_are_dropped(tmp_path):
+    """Written in the caller's thread: the failure reaches the trainer as one `LogWriteError` (tensorboardX's
+    writer thread died with a traceback instead, and its full queue then blocked the next writes)."""
+    threads = threading.active_count()
+    log = TensorBoardLog(tmp_path)
+    log.write({"step": 1, "loss": 1.0})
+    assert threading.active_count() == threads  # no writer thread of its own
+    log._file = _FullDisk(log._file)
+    full = rf"^writing {re.escape(str(log.path))} failed \(No space left on device\)$"
+    with pytest.raises(LogWriteError, match=full):
+        log.write({"step": 2, "loss": 2.0})
+    log.write({"step": 3, "loss": 3.0})  # the run is stopping: dropped, no second error
+    log.close()
+    log.close()
+    assert series(read(tmp_path), "loss") == [(1, 1.0)]

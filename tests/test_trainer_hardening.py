@@ -3,6 +3,7 @@ save, an explicit --checkpoint.restore-step; and what it says: compilation phase
 TensorBoard events, the final sync that lets every inner step reach the global model."""
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -342,3 +343,60 @@ def test_disk_full_exits_promptly_with_one_line(tmp_path):
     step = int(lines[0].split("checkpoint ")[1].split()[0])
     assert 4 <= step <= 8  # promptly: the first save that did not fit, or the next
     assert max(r["step"] for r in read_metrics(run)) <= step + 2
+
+
+# -- a failed metrics.jsonl or TensorBoard write ------------------------------------------------
+
+class _FullDisk:
+    """A log's file object that fails as a full disk does once `lines` writes went through."""
+
+    def __init__(self, file, lines: int):
+        self.file, self.left = file, lines
+
+    def fileno(self):
+        return self.file.fileno()
+
+    def write(self, data):
+        if self.left == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.left -= 1
+        return self.file.write(data)
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+@pytest.mark.parametrize("log", ["metrics", "tensorboard"])
+def test_a_failed_log_write_stops_with_one_line_after_a_checkpoint(tmp_path, capsys, monkeypatch, log):
+    """The 6th record cannot be written (ENOSPC). That used to end the run with a 36-71 line traceback and no
+    checkpoint: now every process stops at the next step boundary with a checkpoint (as for SIGTERM) and the
+    CLI says which file failed, in one line, and exits 1."""
+    from eqx_diloco.lm._tensorboard import TensorBoardLog
+    from eqx_diloco.lm.metrics import MetricsLog
+
+    cls = MetricsLog if log == "metrics" else TensorBoardLog
+    original = cls.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.enabled:  # TensorBoard's file already holds its header event
+            self._file = _FullDisk(self._file, lines=5)
+
+    monkeypatch.setattr(cls, "__init__", init)
+    run = tmp_path / "run"
+    assert main([*TINY, "--run-dir", str(run), "--train.steps", "40", "--checkpoint.every", "100"]) == 1
+    err = capsys.readouterr().err
+    name = "metrics.jsonl" if log == "metrics" else "events.out.tfevents."
+    assert err.count("\n") == 1 and err.startswith(f"error: writing {run / name}"), err
+    assert "failed (No space left on device); stopped at step " in err
+    assert f"(checkpoint saved in {run / 'checkpoints'}); run the same command to resume" in err
+    stop = int(err.split("stopped at step ")[1].split()[0])
+    assert 6 <= stop <= 9  # the next step boundary or so after the failure at step 6
+    assert _steps_on_disk(run / "checkpoints") == [stop]  # --checkpoint.every 100: the stop's own
+    if log == "metrics":
+        assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5]
+    else:
+        assert max(r["step"] for r in read_metrics(run)) >= 6  # metrics.jsonl went on until the stop

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .._json import to_jsonable
+from .launch import record_failure
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -38,6 +39,21 @@ def set_aside_earlier_run(run_dir: Path) -> list[Path]:
     return moved
 
 
+class LogWriteError(RuntimeError):
+    """Writing metrics.jsonl or the TensorBoard events failed (a full or read-only disk, a file made
+    immutable). Its message is one line naming the file and the reason.
+
+    The trainer then stops at the next step boundary with a checkpoint, as for SIGTERM, and the CLI
+    exits 1 with this message, as after a failed checkpoint save."""
+
+    def __init__(self, path: Path, error: OSError):
+        reason = error.strerror or str(error) or type(error).__name__
+        super().__init__(f"writing {path} failed ({reason})")
+        self.path = path
+        # This process fails now, whenever it gets to leave: the launcher's failure marker says when.
+        record_failure(1, str(self))
+
+
 class MetricsLog:
     """Appends one JSON object per line to `<run_dir>/metrics.jsonl`.
 
@@ -47,6 +63,8 @@ class MetricsLog:
     - `resume_step`: on resume, lines of steps after this one (written by a run that died
       before its next checkpoint) are dropped so the file reads like one uninterrupted run.
     - `enabled`: False on every process but process 0.
+
+    A failed write raises `LogWriteError`, once; later records are dropped (the run is stopping).
     """
 
     def __init__(self, run_dir: Path, *, resume_step: int = 0, enabled: bool = True):
@@ -67,16 +85,31 @@ class MetricsLog:
         self._file = self.path.open("a")
 
     def write(self, record: dict) -> None:
-        if self.enabled:
+        if not self.enabled or self._file is None:
+            return
+        line = json.dumps(to_jsonable(record), allow_nan=False) + "\n"
+        try:
             if os.fstat(self._file.fileno()).st_nlink == 0:  # deleted under us: start the file again
                 self._file.close()
                 self._file = self.path.open("a")
-            self._file.write(json.dumps(to_jsonable(record), allow_nan=False) + "\n")
+            self._file.write(line)
             self._file.flush()
+        except OSError as e:
+            file, self._file = self._file, None
+            try:  # closing flushes what the failed write left in the buffer: it fails the same way
+                file.close()
+            except OSError:
+                pass
+            raise LogWriteError(self.path, e) from None
 
     def close(self) -> None:
-        if self.enabled:
-            self._file.close()
+        """Close the file (safe to call twice, and after a failed write)."""
+        if self.enabled and self._file is not None:
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as e:
+                raise LogWriteError(self.path, e) from None
 
 
 class ProgressDisplay:

@@ -110,16 +110,19 @@ def _main(config: Config, process: _Process) -> int:
         enable_compilation_cache(config)  # before the first compile
         if process.process_id == 0:
             print("\n".join(runtime_lines(config)), flush=True)
+        from .metrics import LogWriteError
         from .trainer import (  # after the device count is set
-            REFORM_EXIT_CODE, CheckpointSaveError, NonFiniteError, Reforming, TrainingStopped, train)
+            REFORM_EXIT_CODE, CheckpointSaveError, NonFiniteError, Reforming, Trainer, TrainingStopped)
 
         # A failed asynchronous save makes orbax log each of its threads' tracebacks (hundreds of
         # lines); the one line below says what happened.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
         logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
         sys.unraisablehook = _quiet_closed_event_loops()
+        trainer = None
         try:
-            train(config)
+            trainer = Trainer(config)
+            trainer.run()
         except NonFiniteError as e:
             # Every process reads the same exchanged values and stops at the same step: they all leave
             # together, through JAX's shutdown as usual.
@@ -128,13 +131,35 @@ def _main(config: Config, process: _Process) -> int:
             # orbax's threads of the failed save may still raise (closed event loops) while we
             # leave; their tracebacks would bury the one line that says what happened.
             threading.excepthook = sys.unraisablehook = lambda args: None
-            return _fail(process, 1, str(e), hard=True)
+            first = f"{trainer.log_error}; then " if trainer is not None and trainer.log_error else ""
+            return _fail(process, 1, f"{first}{e}", hard=True)
+        except LogWriteError as e:  # the TensorBoard event file could not even be created
+            return _fail(process, 1, str(e))
         except Reforming:
             return REFORM_EXIT_CODE  # the elastic launcher starts the next run at once
         except TrainingStopped as e:
-            print(e, file=sys.stderr, flush=True)
-            return 128 + e.signum
+            if trainer.log_error is None:
+                print(e, file=sys.stderr, flush=True)
+                return 128 + e.signum
+            # A failed metrics write stopped the run (every process at the same step, as for SIGTERM).
+            return _fail(process, 1, f"{trainer.log_error}; {_stopped_at(trainer, e.step)}", local=False)
+        if trainer.log_error is not None:  # it failed at the last step: the run finished all the same
+            return _fail(process, 1, f"{trainer.log_error}; the run finished ({_saved(trainer)})", local=False)
     return 0
+
+
+def _stopped_at(trainer, step: int) -> str:
+    """What a stop after a failed metrics write left behind, and how to go on."""
+    if trainer.checkpointer.every <= 0:
+        return f"stopped at step {step}; {_saved(trainer)}"
+    return (f"stopped at step {step} ({_saved(trainer)}); run the same command to resume once the file "
+            f"can be written")
+
+
+def _saved(trainer) -> str:
+    if trainer.checkpointer.every <= 0:
+        return "checkpointing is off (--checkpoint.every 0): nothing saved"
+    return f"checkpoint saved in {trainer.checkpointer.directory}"
 
 
 def _fail(process: _Process, code: int, message: str, *, local: bool = True, hard: bool = False) -> int:

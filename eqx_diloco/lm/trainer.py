@@ -38,7 +38,7 @@ from .config import Config, ConfigError, validate
 from .data import TokenBatches, load_tokens
 from .diagnostics import router_drift
 from ._devices import fail_for_test, make_meshes
-from .metrics import MetricsLog, ProgressDisplay, set_aside_earlier_run, write_config
+from .metrics import LogWriteError, MetricsLog, ProgressDisplay, set_aside_earlier_run, write_config
 from .optimizers import inner_optimizer, inner_schedule, outer_optimizer
 from .._replica_values import ReplicaGather, replicated_value
 from .resume import incompatibility
@@ -158,6 +158,8 @@ class Trainer:
 
     config: Config
     verbose: bool = True
+    # The first failed metrics.jsonl or TensorBoard write (a full or read-only disk), if any: see `_write`.
+    log_error = None
 
     def __post_init__(self):
         config = self.config
@@ -565,9 +567,16 @@ class Trainer:
         }
 
     def _write(self, record: dict[str, Any]) -> None:
-        """One record into metrics.jsonl (non-finite numbers as null) and the TensorBoard events."""
+        """One record into metrics.jsonl (non-finite numbers as null) and the TensorBoard events.
+
+        A failed write asks every process to stop at the next step boundary with a checkpoint, as
+        SIGTERM does (the CLI then reports `log_error` and exits 1)."""
         for log in self._logs:
-            log.write(record)
+            try:
+                log.write(record)
+            except LogWriteError as e:
+                self.log_error = self.log_error or e
+                self._signal_seen = self._signal_seen or signal.SIGTERM
 
     def _evaluate(self, state: TrainState, t: int, display: ProgressDisplay | None) -> float:
         value = float(replicated_value(eval_loss(self.core.global_params(state), self.eval_tokens)))
