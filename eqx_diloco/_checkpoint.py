@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ._checksums import checksums
 from ._errors import ConfigError
 from ._json import to_jsonable
 
@@ -51,44 +51,6 @@ class CheckpointSaveError(RuntimeError):
     turns it into this error. Orbax's background threads of a failed save may never finish,
     so a command-line program should leave with `os._exit` after this error (`train.py` does).
     """
-
-
-# -- checksums ---------------------------------------------------------------------------
-
-_GOLDEN = np.uint32(0x9E3779B1)
-
-
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-    """A position-weighted wrapping uint32 sum of the leaf's bits (order independent of sharding)."""
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    width = x.dtype.itemsize
-    if width == 8:
-        u = jax.lax.bitcast_convert_type(x, jnp.uint32)  # trailing axis of 2
-    else:
-        u = jax.lax.bitcast_convert_type(x, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[width]).astype(jnp.uint32)
-    u = u.reshape(-1)
-    weights = jnp.arange(u.size, dtype=jnp.uint32) * _GOLDEN + np.uint32(1)  # odd: every change shows
-    return jnp.sum(u * weights, dtype=jnp.uint32)
-
-
-@jax.jit
-def _checksums(leaves: list[jax.Array]) -> jax.Array:
-    if not leaves:
-        return jnp.zeros((0,), jnp.uint32)
-    return jnp.stack([_leaf_checksum(x) for x in leaves])
-
-
-def checksums(tree: PyTree) -> list[int]:
-    """One uint32 checksum per array leaf of `tree` (computed where the arrays live)."""
-    out = _checksums(jax.tree.leaves(tree))
-    if not out.is_fully_addressable:  # multi-process: every process gets the global value
-        from jax.experimental import multihost_utils
-
-        out = multihost_utils.process_allgather(out, tiled=True)
-    return [int(c) for c in np.asarray(out)]
 
 
 def leaf_paths(tree: PyTree) -> list[str]:
@@ -150,6 +112,7 @@ class Checkpointer:
         return self._manager
 
     def due(self, step: int) -> bool:
+        """Whether `step` is on the save schedule (`DiLoCo.save` saves only then, unless forced)."""
         return self.every > 0 and step % self.every == 0
 
     def steps(self) -> list[int]:
@@ -212,15 +175,6 @@ class Checkpointer:
         if not isinstance(config, dict) or not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError("config or meta item is missing or of another format")
         return config, meta
-
-    def latest_config(self) -> tuple[int, dict] | None:
-        """(step, config JSON) of the newest checkpoint whose JSON items read, or None."""
-        for step in self.steps():
-            try:
-                return step, self.read_json(step)[0]
-            except Exception:  # noqa: BLE001 - unreadable: try the previous one
-                continue
-        return None
 
     def _restore_step(self, step: int, abstract_state: PyTree, shardings: PyTree, meta: dict) -> PyTree:
         leaves, treedef = jax.tree.flatten(abstract_state)

@@ -332,7 +332,7 @@ def test_nonfinite_skip_drops_that_replica_until_the_sync_heals_it(make_config):
 
 
 def test_nonfinite_stop_exits_1_naming_replica_and_step(tmp_path, capsys, monkeypatch):
-    import eqx_diloco._diloco as core_module  # where the trainer's core builds its inner step
+    import eqx_diloco._programs as core_module  # where the trainer's core builds its inner step
 
     make = core_module.make_inner_step
     calls = []

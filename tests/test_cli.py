@@ -26,7 +26,7 @@ BAD = [
     (["--diloco.num-fragments", "3", "--model.num-layers", "4", "--diloco.sync-period", "10"],
      "--diloco.sync-period must be divisible by --diloco.num-fragments"),
     (["--diloco.num-fragments", "2", "--model.num-layers", "4", "--diloco.sync-period", "8",
-      "--diloco.overlap-steps", "4"], "--diloco.overlap-steps must be < sync-period / num-fragments"),
+      "--diloco.overlap-steps", "4"], "--diloco.overlap-steps must be < --diloco.sync-period / --diloco.num-fragments"),
     (["--diloco.overlap-steps", "-1"], "--diloco.overlap-steps must be >= 0"),
     (["--dist.metrics-lag", "-1"], "--dist.metrics-lag must be >= 0"),
     (["--diloco.alpha", "1.5"], "--diloco.alpha must be in [0, 1]"),

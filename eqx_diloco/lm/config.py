@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -9,6 +10,7 @@ import tyro
 
 from models import TransformerConfig
 
+from .._arguments import check_arguments
 from .._errors import ConfigError
 
 Algorithm = Literal["diloco", "ddp"]
@@ -220,6 +222,23 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# `DiLoCo`'s argument names as this CLI's flags (the core's errors name the arguments).
+FLAGS = {
+    "num_replicas": "--diloco.num-replicas", "sync_period": "--diloco.sync-period",
+    "num_fragments": "--diloco.num-fragments", "fragment_pattern": "--diloco.fragment-pattern",
+    "overlap_steps": "--diloco.overlap-steps", "alpha": "--diloco.alpha", "quantize": "--diloco.quantize",
+    "error_feedback": "--diloco.error-feedback", "outer_overlap": "--diloco.outer-overlap",
+    "exchange": "--diloco.exchange", "router_sync_period": "--diloco.router-sync-period",
+    "on_nonfinite": "--train.on-nonfinite", "data_parallel": "--mesh.data", "comm_device": "--diloco.comm-device",
+    "algorithm": "--algorithm",
+}
+
+
+def flag_names(message: str) -> str:
+    """A core error message with each `DiLoCo` argument name replaced by its flag."""
+    return re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda match: FLAGS[match.group(1)], message)
+
+
 def validate(config: Config) -> None:
     """Raise `ConfigError` with a one-line message for the first rule `config` breaks."""
     m, d, train, data = config.model, config.diloco, config.train, config.data
@@ -323,52 +342,32 @@ def validate(config: Config) -> None:
         _require(pid is None or 0 <= pid < nproc, f"--dist.process-id must be in [0, {nproc}) (got {pid})")
 
     if config.algorithm == "ddp":
-        streaming = {
-            "--diloco.num-fragments": d.num_fragments != 1,
-            "--diloco.overlap-steps": d.overlap_steps != 0,
-            "--diloco.alpha": d.alpha != 0.0,
-            "--diloco.quantize": d.quantize != "none",
-            "--diloco.error-feedback": d.error_feedback,
-            "--diloco.exchange": d.exchange != "auto",
-            "--diloco.outer-overlap": d.outer_overlap != "none",
-            "--diloco.router-sync-period": d.router_sync_period != 0,
-            "--elastic.enabled": config.elastic.enabled,
-        }
-        for flag, set_ in streaming.items():
-            _require(not set_, f"{flag} applies to --algorithm diloco only, not ddp")
-        return
-
-    P, H = d.num_fragments, d.sync_period  # fragment count (no PartitionSpec in this module)
-    if P > 1:
-        _require(
-            m.num_layers % (P - 1) == 0,
-            f"--model.num-layers must be divisible by --diloco.num-fragments - 1 "
-            f"(got {m.num_layers} layers for {P - 1} layer fragments)",
+        _require(not config.elastic.enabled, "--elastic.enabled applies to --algorithm diloco only, not ddp")
+    else:
+        P = d.num_fragments  # fragment count (no PartitionSpec in this module)
+        if P > 1:
+            _require(
+                m.num_layers % (P - 1) == 0,
+                f"--model.num-layers must be divisible by --diloco.num-fragments - 1 "
+                f"(got {m.num_layers} layers for {P - 1} layer fragments)",
+            )
+    _require(not d.router_sync_period or m.kind == "moe", "--diloco.router-sync-period needs --model.kind moe")
+    # The algorithm's own rules live in the core, written once; its messages name `DiLoCo`'s
+    # arguments, which become this CLI's flags here.
+    try:
+        check_arguments(
+            num_replicas=d.num_replicas, sync_period=d.sync_period, num_fragments=d.num_fragments,
+            fragment_pattern=d.fragment_pattern, overlap_steps=d.overlap_steps, alpha=d.alpha, quantize=d.quantize,
+            error_feedback=d.error_feedback, outer_overlap=d.outer_overlap, exchange=d.exchange,
+            router_sync_period=d.router_sync_period, has_routers=m.kind == "moe", on_nonfinite=train.on_nonfinite,
+            data_parallel=config.mesh.data, comm_device=d.comm_device, algorithm=config.algorithm,
         )
-    _require(H % P == 0, f"--diloco.sync-period must be divisible by --diloco.num-fragments (got H={H}, P={P})")
-    _require(
-        d.overlap_steps < H // P,
-        f"--diloco.overlap-steps must be < sync-period / num-fragments (got tau={d.overlap_steps}, H/P={H // P})",
-    )
-    _require(0 <= d.alpha <= 1, f"--diloco.alpha must be in [0, 1] (got {d.alpha})")
-    if d.outer_overlap != "none":
-        o = d.outer_overlap
-        _require(d.overlap_steps == 0, f"--diloco.outer-overlap {o} overlaps a whole round; it does not combine with --diloco.overlap-steps > 0")
-        _require(d.alpha == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.alpha > 0")
-        _require(d.router_sync_period == 0, f"--diloco.outer-overlap {o} does not combine with --diloco.router-sync-period")
-        _require(o != "eager" or train.on_nonfinite == "stop", "--diloco.outer-overlap eager needs --train.on-nonfinite stop")
+    except ConfigError as e:
+        raise ConfigError(flag_names(str(e))) from None
+    if config.algorithm == "ddp":
+        return
     if config.elastic.enabled:
         _require(d.outer_overlap == "none", f"--elastic.enabled needs --diloco.outer-overlap none (got {d.outer_overlap}): "
                  "a whole-round exchange is always in flight, so there is no sync boundary to snapshot")
         _require(config.elastic.keep_snapshots >= 2,
                  f"--elastic.keep-snapshots must be >= 2 (got {config.elastic.keep_snapshots})")
-    _require(
-        not d.error_feedback or d.quantize != "none",
-        "--diloco.error-feedback needs a lossy --diloco.quantize format (got none)",
-    )
-    if d.router_sync_period:
-        _require(m.kind == "moe", "--diloco.router-sync-period needs --model.kind moe")
-        _require(
-            H % d.router_sync_period == 0,
-            f"--diloco.router-sync-period must divide --diloco.sync-period (got K={d.router_sync_period}, H={H})",
-        )

@@ -26,7 +26,6 @@ from models import Transformer
 from models.moe import usage_entropy
 from models.transformer import lm_loss
 
-from .. import schedule
 from ._banner import finished_message, format_summary
 from .._diloco import DiLoCo
 from .._elastic import REFORM_EXIT_CODE, IslandSnapshots
@@ -34,7 +33,7 @@ from .._errors import NonFiniteError
 from ._tensorboard import TensorBoardLog
 from .._tree import row_finite
 from .._checkpoint import Checkpointer, CheckpointSaveError
-from .config import Config, ConfigError, validate
+from .config import Config, ConfigError, flag_names, validate
 from .data import TokenBatches, load_tokens
 from .diagnostics import router_drift
 from ._devices import fail_for_test, make_meshes
@@ -118,31 +117,34 @@ def lm_objective(dropout: float):
 def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
     """The core `DiLoCo` object the CLI config describes, set up for `abstract_model`'s shape."""
     d, t = config.diloco, config.train
-    mesh, comm_mesh = make_meshes(config)
-    diloco = config.algorithm == "diloco"
-    core = DiLoCo(
-        loss_fn=lm_objective(config.model.dropout),
-        layers=lambda m: m.blocks,
-        num_replicas=d.num_replicas,
-        sync_period=d.sync_period,
-        inner_optimizer=inner_optimizer(t, abstract_model.weight_decay_mask()),
-        outer_optimizer=outer_optimizer(d),
-        num_fragments=d.num_fragments if diloco else 1,
-        fragment_pattern=d.fragment_pattern,
-        overlap_steps=d.overlap_steps if diloco else 0,
-        alpha=d.alpha if diloco else 0.0,
-        quantize=d.quantize if diloco else "none",
-        error_feedback=d.error_feedback and diloco,
-        exchange=d.exchange if diloco else "auto",
-        outer_overlap=d.outer_overlap if diloco else "none",
-        routers=lambda m: m.router_mask(),
-        router_sync_period=d.router_sync_period if diloco else 0,
-        on_nonfinite=t.on_nonfinite,
-        algorithm=config.algorithm,
-        mesh=mesh,
-        comm_mesh=comm_mesh,
-    )
-    core.abstract(abstract_model)
+    try:  # the core's errors name its arguments; say this CLI's flags
+        mesh, comm_mesh = make_meshes(config)
+        diloco = config.algorithm == "diloco"
+        core = DiLoCo(
+            loss_fn=lm_objective(config.model.dropout),
+            layers=lambda m: m.blocks,
+            num_replicas=d.num_replicas,
+            sync_period=d.sync_period,
+            inner_optimizer=inner_optimizer(t, abstract_model.weight_decay_mask()),
+            outer_optimizer=outer_optimizer(d),
+            num_fragments=d.num_fragments if diloco else 1,
+            fragment_pattern=d.fragment_pattern,
+            overlap_steps=d.overlap_steps if diloco else 0,
+            alpha=d.alpha if diloco else 0.0,
+            quantize=d.quantize if diloco else "none",
+            error_feedback=d.error_feedback and diloco,
+            exchange=d.exchange if diloco else "auto",
+            outer_overlap=d.outer_overlap if diloco else "none",
+            routers=lambda m: m.router_mask(),
+            router_sync_period=d.router_sync_period if diloco else 0,
+            on_nonfinite=t.on_nonfinite,
+            algorithm=config.algorithm,
+            mesh=mesh,
+            comm_mesh=comm_mesh,
+        )
+        core.abstract(abstract_model)
+    except ConfigError as e:
+        raise ConfigError(flag_names(str(e))) from None
     return core
 
 
@@ -243,48 +245,15 @@ class Trainer:
         return state
 
     def final_sync(self, state: TrainState, t: int) -> tuple[TrainState, list[int]]:
-        """After the last step `t`: a blocking outer sync of every group whose last sync is older than `t`.
-
-        Without it, the inner steps after a group's last scheduled sync (a run shorter than H, or
-        `--train.steps` not a multiple of H, and with P > 1 every fragment but the one that synced
-        at `t`) would never reach the global model that is evaluated and exported. The replicas
-        are not merged (training is over). With `--diloco.outer-overlap` delayed / eager those
-        groups take one more (eager / delayed) outer step, and then every group's last exchange,
-        which no later sync would use, is landed (`DiLoCo.drain`). Returns (state, the groups synced).
-        """
+        """After the last step `t`: `DiLoCo.finish`, so the evaluated and exported global model
+        includes every inner step (`--train.final-sync`). Returns (state, the groups it synced)."""
         if not self.diloco or not self.config.train.final_sync:
             return state, []
-        state = self.install_pending(state)
-        stale = self._stale_groups(t)
-        if self.core.overlapped is not None:
-            for g in stale:
-                state = self.core.sync_now(state, g)
-            state = self.core.drain(self.install_pending(state))  # their finite flags checked first
-            self._check_global(t, all_finite(state.global_params))
-            return state, stale
-        flags = []
-        for g in stale:
-            state, finite = self.outer.sync(state, g)
-            flags.append(finite)
-        if stale:
-            state, _ = self.core.settle(state)  # nothing in flight: just hands the core this state
-            for finite in flags:
-                self._check_sync(t, self.gather({"f": finite})["f"])
-            self._check_global(t, all_finite(state.global_params))
+        state = self.install_pending(state)  # flags of the syncs in flight, checked across processes
+        stale = self.core.stale_groups(t)
+        state = self.core.finish(state)
+        self._check_global(t, all_finite(state.global_params))
         return state, stale
-
-    def _stale_groups(self, t: int) -> list[int]:
-        """The parameter groups whose last sync is older than step t."""
-        d = self.config.diloco
-        stale = []
-        for g in range(len(self.groups)):
-            if g == self.router_group:
-                last = t - t % d.router_sync_period
-            else:
-                last = max(schedule.sync_steps(g, d.sync_period, self.num_fragments, t), default=0)
-            if last < t:
-                stale.append(g)
-        return stale
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -539,7 +508,7 @@ class Trainer:
                 eval_loss_value = self._evaluate(state, t, display if show else None)
                 timer = (time.perf_counter(), timer[1])  # do not charge the evaluation to training throughput
             if save_due:
-                state = self.core.save(self.checkpointer, state, metadata=config)
+                state = self.core.save(self.checkpointer, state, metadata=config, force=True)
             if stop:
                 self.state = state
                 self.checkpointer.wait()

@@ -1,0 +1,92 @@
+"""The rules of `DiLoCo`'s arguments, written once. Errors name the argument; the CLI maps the
+names to its flags (`eqx_diloco.lm.config.validate`)."""
+
+from typing import Any
+
+import jax
+
+from . import quantize as _quantize
+from ._errors import ConfigError
+
+PyTree = Any
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def check_arguments(
+    *,
+    num_replicas: int,
+    sync_period: int,
+    num_fragments: int,
+    fragment_pattern: str,
+    overlap_steps: int,
+    alpha: float,
+    quantize: str,
+    error_feedback: bool,
+    outer_overlap: str,
+    exchange: str,
+    router_sync_period: int,
+    has_routers: bool,
+    on_nonfinite: str,
+    data_parallel: int,
+    comm_device: str,
+    algorithm: str,
+) -> None:
+    """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
+
+    The arguments are `DiLoCo`'s (see its docstring); `has_routers` says whether a `routers`
+    selector was given.
+    """
+    for name, value in [("num_replicas", num_replicas), ("sync_period", sync_period),
+                        ("num_fragments", num_fragments), ("data_parallel", data_parallel)]:
+        _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
+    _require(overlap_steps >= 0, f"overlap_steps must be >= 0 (got {overlap_steps})")
+    _require(router_sync_period >= 0, f"router_sync_period must be >= 0 (got {router_sync_period})")
+    _require(algorithm in ("diloco", "ddp"), f"algorithm must be diloco or ddp (got {algorithm!r})")
+    _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
+    _require(comm_device in ("auto", "on", "off"), f"comm_device must be auto, on or off (got {comm_device!r})")
+    _require(quantize in _quantize.FORMATS, f"quantize must be one of {', '.join(_quantize.FORMATS)} (got {quantize!r})")
+    _require(exchange in ("auto", "gather", "two_phase"), f"exchange must be auto, gather or two_phase (got {exchange!r})")
+    _require(fragment_pattern in ("strided", "sequential", "balanced"),
+             f"fragment_pattern must be strided, sequential or balanced (got {fragment_pattern!r})")
+    _require(outer_overlap in ("none", "delayed", "eager"),
+             f"outer_overlap must be none, delayed or eager (got {outer_overlap!r})")
+    if algorithm == "ddp":
+        for name, off in [("num_fragments", num_fragments == 1), ("overlap_steps", overlap_steps == 0),
+                          ("alpha", alpha == 0), ("quantize", quantize == "none"), ("error_feedback", not error_feedback),
+                          ("exchange", exchange == "auto"), ("outer_overlap", outer_overlap == "none"),
+                          ("router_sync_period", router_sync_period == 0)]:
+            _require(off, f"{name} applies to algorithm diloco only, not ddp")
+        return
+    H, P = sync_period, num_fragments
+    _require(H % P == 0, f"sync_period must be divisible by num_fragments (got H={H}, P={P})")
+    _require(overlap_steps < H // P,
+             f"overlap_steps must be < sync_period / num_fragments (got tau={overlap_steps}, H/P={H // P})")
+    _require(0 <= alpha <= 1, f"alpha must be in [0, 1] (got {alpha})")
+    if outer_overlap != "none":
+        o = outer_overlap
+        _require(overlap_steps == 0, f"outer_overlap {o} overlaps a whole round; it does not combine with overlap_steps > 0")
+        _require(alpha == 0, f"outer_overlap {o} restarts replicas from the new anchor; it does not combine with alpha > 0")
+        _require(router_sync_period == 0, f"outer_overlap {o} does not combine with router_sync_period")
+        _require(o != "eager" or on_nonfinite == "stop",
+                 "outer_overlap eager needs on_nonfinite stop (a skipped replica cannot be taken out of proxies the "
+                 "others already applied)")
+    _require(not error_feedback or quantize != "none", "error_feedback needs a lossy quantize format (got none)")
+    if router_sync_period:
+        _require(has_routers, "router_sync_period needs a routers selector")
+        _require(H % router_sync_period == 0,
+                 f"router_sync_period must divide sync_period (got K={router_sync_period}, H={H})")
+
+
+def check_batch(batch: PyTree, num_replicas: int) -> None:
+    """Every leaf of `batch` needs the leading replica axis of size R and a batch axis after it."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        shape = getattr(leaf, "shape", ())
+        if len(shape) < 2 or shape[0] != num_replicas:
+            raise ConfigError(
+                f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has shape {tuple(shape)}: every leaf needs a "
+                f"leading replica axis of size num_replicas={num_replicas}, then the replica's batch axis"
+            )

@@ -1,0 +1,177 @@
+"""`DiLoCo`'s end of the pipeline: settling syncs in flight, finishing a run, non-finite
+policy, and reading the global model. A part of `DiLoCo` (see `_diloco`), kept in its own file."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from . import schedule
+from ._errors import ConfigError, NonFiniteError
+from ._outer import move_to_mesh
+from ._state import TrainState
+
+PyTree = Any
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+class Results:
+    """Settle, finish and read the global model (mixed into `DiLoCo`, whose host state it uses)."""
+
+    def settle(self, state: TrainState) -> tuple[TrainState, list[Array]]:
+        """Wait for every in-flight sync and put its result into the state (merges stay scheduled).
+
+        The global params then read as if the syncs had been blocking, which is what an
+        evaluation or a checkpoint must see. Returns (state, finite flags of those syncs).
+        """
+        finished = []
+        install = self.overlapped.install if self.overlapped is not None else self.outer.install if self.outer else None
+        for group in sorted(self._in_flight):
+            state, finite = install(state, self._in_flight.pop(group))
+            finished.append(finite)
+            self._unchecked.append((self._next_step, finite))
+        if self._last_state is not None:
+            self._last_state = state
+        return state, finished
+
+    def sync_now(self, state: TrainState, group: int) -> TrainState:
+        """Outside the schedule: the outer step of `group` now, with `outer_overlap` delayed / eager.
+
+        For the end of training (the trainer's final sync): a group whose last scheduled sync
+        is older than the last step takes one more outer step, so its inner steps since then
+        are sent too; `drain` then lands that exchange. Needs nothing of `group` in flight
+        (`settle` first).
+        """
+        _require(self.outer_overlap != "none", "sync_now is for outer_overlap='delayed' or 'eager'")
+        _require(group not in self._in_flight, f"group {group} has an exchange in flight: settle first")
+        state, self._in_flight[group] = self.overlapped.sync(state, group)
+        if self._last_state is not None:
+            self._last_state = state
+        return state
+
+    def drain(self, state: TrainState) -> TrainState:
+        """When training is over: land every exchange still on its way in the global model.
+
+        `outer_overlap` delayed / eager: the last round's exchange has no next sync to be used
+        at; this waits for it and applies the share no outer step has used yet (the part of
+        an outer step that share is responsible for, see `_eager`), restarts the replicas from
+        the new anchors and empties the mailbox (a second drain does nothing). Otherwise it is
+        `settle`. Returns the state to evaluate, export or save.
+        """
+        state, _ = self.settle(state)
+        if self.overlapped is not None:
+            for group in range(len(self.groups)):
+                state = self.overlapped.drain(state, group)
+            if self._last_state is not None:
+                self._last_state = state
+        return state
+
+    def finish(self, state: TrainState) -> TrainState:
+        """End of training: after it, `global_model(state)` includes every inner step taken.
+
+        Settles the syncs in flight, gives every parameter group whose last sync is older than
+        the last step one more outer step (with Streaming DiLoCo every fragment but the one
+        that synced last; with any `sync_period` that does not divide the step count, all of
+        them), and lands the exchanges still on their way (`outer_overlap` delayed / eager).
+        The replicas are not merged: training is over. Call it once, after the last `step`;
+        data-parallel training has nothing to finish.
+
+        **Arguments:**
+
+        - `state`: the state after the last step (donated: use the returned one).
+
+        **Returns:** the finished state, to evaluate, export or save.
+
+        **Raises:** `NonFiniteError` as `step` does, for every sync it ran or settled.
+        """
+        if not self.is_diloco:
+            return state
+        t = self._current_step(state)
+        state, _ = self.settle(state)
+        stale = self.stale_groups(t)
+        if self.overlapped is not None:
+            for group in stale:
+                state = self.sync_now(state, group)
+            state, _ = self.settle(state)  # their flags are checked before the exchanges land
+            self._check_nonfinite()
+            state = self.drain(state)
+        else:
+            for group in stale:
+                state, finite = self.outer.sync(state, group)
+                self._unchecked.append((t, finite))
+        self._check_nonfinite()
+        self._last_state, self._next_step = state, t
+        return state
+
+    def stale_groups(self, t: int) -> list[int]:
+        """The parameter groups whose last scheduled sync is older than step `t` (see `finish`)."""
+        stale = []
+        for group in range(len(self.groups)):
+            if group == self.router_group:
+                last = t - t % self.router_sync_period
+            else:
+                last = max(schedule.sync_steps(group, self.sync_period, self.num_fragments, t), default=0)
+            if last < t:
+                stale.append(group)
+        return stale
+
+    def _check_nonfinite(self) -> None:
+        """Raise `NonFiniteError` for the first unread sync flags that the policy does not accept.
+
+        A process reads the rows of the replicas it holds (no collective); in a multi-process
+        run the process holding a bad replica raises.
+        """
+        unchecked, self._unchecked = self._unchecked, []
+        for t, finite in unchecked:
+            rows = {}
+            for shard in finite.addressable_shards:
+                start = shard.index[0].start or 0
+                for offset, ok in enumerate(np.asarray(shard.data)):
+                    rows[start + offset] = bool(ok)
+            bad = sorted(r for r, ok in rows.items() if not ok)
+            if not bad:
+                continue
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"non-finite outer gradient (or outer step) of replica {bad[0]} at the sync after step {t}; "
+                    f"the global model keeps its last finite values (on_nonfinite='stop'; 'skip' leaves such a "
+                    f"replica out of the mean)"
+                )
+            if len(bad) == self.num_replicas:
+                raise NonFiniteError(
+                    f"non-finite outer gradient (or outer step) in every replica at the sync after step {t}: "
+                    f"on_nonfinite='skip' has nothing left to average"
+                )
+
+    def global_params(self, state: TrainState) -> PyTree:
+        """theta_g with in-flight results included (the state is not consumed); ddp: replica 0."""
+        if not self.is_diloco:
+            return jax.tree.map(lambda x: x[0], state.params)
+        if self.outer_overlap == "eager":  # per-replica anchors: their mean
+            return jax.tree.map(lambda x: jnp.mean(x, axis=0), state.global_params)
+        if self.overlapped is not None:  # delayed: theta_g only moves at its syncs
+            return state.global_params
+        global_params = state.global_params
+        for group in sorted(self._in_flight):
+            new_values = self._in_flight[group].outputs[0]
+            if self.comm_mesh is not None:
+                new_values = move_to_mesh(new_values, self.comm_mesh, self.mesh)
+            global_params = self.groups[group].put(global_params, new_values)
+        return global_params
+
+    def global_model(self, state: TrainState) -> PyTree:
+        """The model to evaluate or export: theta_g (replica 0 for ddp), an instance of your model class.
+
+        In-flight syncs are included without consuming `state`; the arrays are a copy.
+        """
+        _require(self._programs is not None, "call init(model) (or restore) before global_model")
+        # A copy: the next step donates the state, and the model handed out must outlive it.
+        return eqx.combine(jax.tree.map(jnp.copy, self.global_params(state)), self.static)
+
