@@ -208,3 +208,24 @@ def test_elastic_islands_failing_alike_end_the_run_others_are_a_loss(tmp_path, a
         assert proc.returncode == 1 and "every island exited with code 1" in err, err
     else:
         assert "island 1 exited with code 1 at step -1; re-forming with islands [0]" in err, err
+
+
+def _can_make_network_namespaces() -> bool:
+    from eqx_diloco.lm.launch import LinkLimit
+
+    if LinkLimit.check() is not None:
+        return False
+    name = f"eqxdprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False).returncode == 0
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    return made
+
+
+@pytest.mark.skipif(not _can_make_network_namespaces(), reason="--bandwidth needs root, ip, tc and network namespaces")
+def test_the_processes_learn_the_link_limit(tmp_path):
+    """--bandwidth used to leave no trace on screen: the processes now get the rate (for the setup lines)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "1", "--bandwidth", "800mbit",
+                           "--module", "launch_env_child"], env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0 and "link=800mbit" in proc.stderr, proc.stderr

@@ -1,6 +1,8 @@
 """Islands as processes: the same run over 2 or 4 local processes equals the single-process run."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,7 +38,8 @@ def _launch(num_processes, run_dir, *flags, launcher_flags=(), **popen):
 def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_processes, streaming, metrics_lag):
     diloco = dict(num_replicas=4, sync_period=6 if streaming else 2)
     flags = ["--diloco.num-replicas", "4", "--diloco.sync-period", str(diloco["sync_period"]),
-             "--train.steps", str(STEPS), "--model.num-layers", "2", "--model.dim", "32", "--model.mlp-ratio", "2", "--train.lr", "0.01",
+             "--train.steps", str(STEPS), "--model.num-layers", "2", "--model.dim", "32", "--model.mlp-ratio", "2",
+             "--train.lr", "0.01",
              "--dist.metrics-lag", str(metrics_lag)]
     if streaming:
         diloco.update(num_fragments=3, overlap_steps=1, alpha=0.5)
@@ -47,6 +50,7 @@ def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_
     proc = _launch(num_processes, tmp_path / "multi", *flags)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
+    assert "[Gloo]" not in out + err  # gloo's "Rank r is connected to n peer ranks" lines are filtered out
     multi = train_losses(tmp_path / "multi")
     assert len(multi) == STEPS
     np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
@@ -105,7 +109,7 @@ def test_a_process_failing_alone_leaves_at_once_and_is_blamed(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.1)
         failed_at = time.monotonic()
-        _, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=90)
         took = time.monotonic() - failed_at
     finally:
         if proc.poll() is None:
@@ -117,6 +121,40 @@ def test_a_process_failing_alone_leaves_at_once_and_is_blamed(tmp_path):
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     assert lines[-1].startswith("error: process 1 of 2 failed: RuntimeError: ") and "fails at step 3" in lines[-1]
     assert sum(line.startswith("error:") for line in lines) == 1, lines
+    assert "[Gloo]" not in out + err + log.read_text()  # its "connected" lines are filtered out, as in every run
+
+
+@pytest.mark.slow
+def test_an_island_failing_alone_is_dropped_and_the_summary_counts_both_generations(tmp_path):
+    """Elastic, 2 islands: island 1 alone raises at step 6 (the test hook). It used to hang in JAX's shutdown
+    barrier while island 0 waited for it; the launcher then blamed whichever timed out first. Now island 1 is
+    the one lost, island 0 goes on from the boundary at step 4, and the launcher sums up both generations."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--log-dir", str(tmp_path / "logs"),
+           "--", *TINY, "--run-dir", str(run_dir), "--elastic.enabled", "--train.log-every", "1",
+           "--diloco.sync-period", "4", "--train.eval-every", "0", "--train.steps", "12", "--checkpoint.every", "1000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, EQX_DILOCO_TEST_FAIL_AT_STEP="1:6"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lost = re.search(r"launcher: island 1 exited with code 1 at step (\d+); re-forming with islands \[0\] from the "
+                     r"sync boundary at step 4\n", proc.stderr)
+    assert lost, proc.stderr[-3000:]
+    last = int(lost[1])
+    per_step = 4 * 16  # --train.batch-size x --train.seq-len, per island
+    trained = (last * 2 + (12 - 4)) * per_step
+    redone = (last - 4) * 2 * per_step
+    lines = [line.split("launcher: ", 1)[1] for line in proc.stderr.splitlines() if line.startswith("launcher: ")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("2 generations in "))
+    summary = lines[start:start + 3]
+    assert f", {trained:,} tokens trained" in summary[0] and (f"({redone:,} of them in steps redone" in summary[0]
+                                                                 if redone else "redone" not in summary[0])
+    assert re.fullmatch(rf"  generation 0: islands \[0, 1\], steps 0-{last} in [\d.]+ s, {last * 2 * per_step:,} "
+                        r"tokens", summary[1]), summary
+    assert re.fullmatch(rf"  generation 1: islands \[0\], steps 4-12 in [\d.]+ s, {8 * per_step:,} tokens",
+                        summary[2]), summary
+    assert "done: 12 steps (generation 1 of an elastic run" in proc.stdout
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == list(range(1, 13))  # each step logged once
 
 
 @pytest.mark.slow

@@ -4,12 +4,14 @@ summary at the end (what the run did, where its files are, what to run next)."""
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from pathlib import Path
 from typing import Any
 
 from ._layout import wants_comm_device
 from .config import token_file_vocab
+from .launch import GENERATION_ENV, LINK_LIMIT_ENV
 
 
 def _count(n: float) -> str:
@@ -43,6 +45,10 @@ def algorithm_line(config) -> str:
     name = "Streaming DiLoCo" if d.num_fragments > 1 else "DiLoCo"
     parts = [f"{name}, R={d.num_replicas} replicas", f"H={d.sync_period}",
              f"P={d.num_fragments} fragment{'s' if d.num_fragments > 1 else ''}", f"tau={d.overlap_steps}"]
+    if d.outer_overlap != "none":
+        parts.append(f"outer overlap {d.outer_overlap}")
+    if d.router_sync_period:
+        parts.append(f"routers synced every {d.router_sync_period} steps")
     if d.alpha:
         parts.append(f"alpha={d.alpha}")
     parts.append(f"quantize {d.quantize}" + (" + error feedback" if d.error_feedback else ""))
@@ -74,11 +80,19 @@ def setup_lines(config) -> list[str]:
         f"{_count(count)} parameters ({format_bytes(nbytes)})",
         *vocab,
         f"  mesh         {mesh}",
+        *_link_lines(),
         f"  data         {data}; {d.num_replicas} x {t.batch_size} sequences x {t.seq_len} tokens "
         f"= {tokens_per_step:,} tokens/step, {t.steps} steps",
         f"  run dir      {config.run_dir} (metrics.jsonl, config.json, TensorBoard events)",
         f"  checkpoints  {checkpoints}",
     ]
+
+
+def _link_lines() -> list[str]:
+    """The launcher's `--bandwidth`, if it set one (it says so in `$EQX_DILOCO_LINK_LIMIT`)."""
+    rate = os.environ.get(LINK_LIMIT_ENV)
+    return [f"  link         {rate} between the processes (launcher --bandwidth: a rate-limited loopback)"] \
+        if rate else []
 
 
 def runtime_lines(config) -> list[str]:
@@ -106,7 +120,8 @@ def finished_message(config, step: int) -> str:
     """What to say when a run that already reached `--train.steps` is started again."""
     run_dir = _quote(config.run_dir)
     return (
-        f"run in {config.run_dir} already finished at step {step} (--train.steps {config.train.steps}); nothing to do.\n"
+        f"run in {config.run_dir} already finished at step {step} (--train.steps {config.train.steps}); "
+        f"nothing to do.\n"
         f"  to train further: the same command with a larger --train.steps (e.g. --train.steps {2 * step}), "
         f"which resumes from the newest checkpoint\n"
         f"  to start over: a new --run-dir, or remove {run_dir}"
@@ -132,9 +147,14 @@ def format_summary(summary: dict[str, Any], config) -> str:
     if ddp_bytes is None:
         ddp_bytes = step * model_size(config)[1]  # one float32 gradient per step
     head = f"done: {step} steps"
-    if summary.get("wall_time_s") is not None:
-        head += f" in {summary['wall_time_s']:.1f} s"
-    head += f", {tokens:,} tokens"
+    generation = _elastic_generation(config)
+    if generation:  # this process saw one generation: its time, and every step at the last one's island count
+        head += (f" (generation {generation} of an elastic run: the launcher's summary below gives the time and "
+                 f"tokens of every generation)")
+    else:
+        if summary.get("wall_time_s") is not None:
+            head += f" in {summary['wall_time_s']:.1f} s"
+        head += f", {tokens:,} tokens"
     if summary.get("eval_loss") is not None:
         head += f"; final eval loss {summary['eval_loss']:.4f} (global model, held-out data)"
     lines = [head]
@@ -146,7 +166,8 @@ def format_summary(summary: dict[str, Any], config) -> str:
             ratio = ddp_bytes / sent if sent else math.inf
             lines.append(f"  sent         {format_bytes(sent)} per replica for synchronisation; DDP would have sent "
                          f"{format_bytes(ddp_bytes)} ({ratio:,.0f}x more)")
-    lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} (TensorBoard: tensorboard --logdir {_quote(run_dir.parent)})")
+    lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} "
+                 f"(TensorBoard: tensorboard --logdir {_quote(run_dir.parent)})")
     has_checkpoints = config.checkpoint.every > 0
     if has_checkpoints:
         lines.append(f"  checkpoints  {ck_dir}")
@@ -156,7 +177,36 @@ def format_summary(summary: dict[str, Any], config) -> str:
     if has_checkpoints:
         model = _quote(run_dir / "model.eqx")
         lines.append(f"  python -m eqx_diloco.export {q}    # the global model alone, to {model}")
-        prompt = ' --prompt "def "' if config.data.source == "corpus" else ""
-        lines.append(f"  python -m eqx_diloco.sample {model}{prompt}")
+        lines.append(f"  python -m eqx_diloco.sample {model}{_sample_prompt(config)}")
         lines.append(f"  more steps: the same command with --train.steps {2 * step} (resumes from the checkpoint)")
     return "\n".join(lines)
+
+
+def _elastic_generation(config) -> int:
+    """Which generation of an elastic run this process belongs to (0 outside one; see `_elastic_launch`)."""
+    value = os.environ.get(GENERATION_ENV, "")
+    return int(value) if config.elastic.enabled and value.isdigit() else 0
+
+
+def _sample_prompt(config) -> str:
+    """The sample hint's `--prompt`: text for a byte-level model (its default, a newline, also works);
+    for a larger vocabulary `sample` reads whitespace-separated token ids, here the training data's first."""
+    if config.model.vocab_size <= 256:
+        return ' --prompt "def "' if config.data.source == "corpus" else ""
+    return f" --prompt {_first_token(config)}    # token ids in, token ids out"
+
+
+def _first_token(config) -> int:
+    """The first token id of a `--data.source tokens` file (0 when there is none to read)."""
+    if config.data.source == "tokens" and config.data.path is not None:
+        import numpy as np
+
+        from .data import read_token_meta
+
+        try:
+            first = np.fromfile(config.data.path, dtype=read_token_meta(Path(config.data.path))["dtype"], count=1)
+        except (OSError, ValueError):  # ConfigError too: the run read the file, so this is most unlikely
+            return 0
+        if first.size and int(first[0]) < config.model.vocab_size:
+            return int(first[0])
+    return 0

@@ -1,6 +1,7 @@
 """The CLI's devices and meshes from its flags: CPU device count, `jax.distributed`, `build_meshes`."""
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -27,8 +28,62 @@ def setup_devices(config: "Config") -> None:
             raise ConfigError("--dist.coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required with several "
                               "processes")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        quiet_gloo_lines()
         join(coordinator, num_processes, process_id, heartbeat_timeout_s=config.dist.heartbeat_timeout_s,
              timeout_s=config.dist.init_timeout_s)
+
+
+# What gloo prints with std::cout each time it connects a communicator (twice per run here); no variable
+# turns it off. When all peers are connected it is noise that reads like a warning; a shortfall is kept.
+_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             rb"Expected number of connected peer ranks is : (\d+)\s*")
+
+
+def quiet_gloo_lines() -> None:
+    """Drop gloo's "[Gloo] Rank r is connected to n peer ranks" lines from this process's stdout.
+
+    Native code writes to file descriptor 1, so that becomes a pipe read by a thread that passes
+    everything else on (`forward_without_gloo_lines`); Python's own output (`sys.stdout`: the
+    banner, the progress bar, which needs to see the terminal) goes straight to the original stdout."""
+    sys.stdout.flush()
+    original = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+    # Lives as long as the process, as sys.stdout does.
+    sys.stdout = open(original, "w", buffering=1, encoding=sys.stdout.encoding,  # noqa: SIM115
+                      errors=sys.stdout.errors, closefd=False)
+    threading.Thread(target=forward_without_gloo_lines, args=(read_end, original), name="eqx_diloco-stdout",
+                     daemon=True).start()
+
+
+def forward_without_gloo_lines(source: int, target: int) -> None:
+    """Copy file descriptor `source` to `target` until it closes, without gloo's all-connected lines.
+
+    If `target` fails (a closed terminal), `source` is still drained, so native writers never block."""
+    pending = b""
+    while chunk := os.read(source, 65536):
+        *lines, pending = (pending + chunk).split(b"\n")
+        out = b"".join(line + b"\n" for line in lines if not _gloo_noise(line))
+        if pending and not b"[Gloo]".startswith(pending[:6]):  # cannot become a gloo line: no need to hold it
+            out, pending = out + pending, b""
+        target = _write_all(target, out)
+    _write_all(target, pending)
+
+
+def _write_all(target: int | None, data: bytes) -> int | None:
+    """Write all of `data` to `target`; None (and nothing written from then on) once that fails."""
+    try:
+        while data and target is not None:
+            data = data[os.write(target, data):]
+    except OSError:
+        return None
+    return target
+
+
+def _gloo_noise(line: bytes) -> bool:
+    match = _GLOO_CONNECTED.fullmatch(line)
+    return match is not None and match[1] == match[2]
 
 
 # How much later than `join` JAX's own start-up deadline falls: past that deadline JAX's C++ client aborts

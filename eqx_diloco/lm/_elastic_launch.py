@@ -26,8 +26,40 @@ import time
 from pathlib import Path
 
 from .._elastic import REFORM_EXIT_CODE, IslandSnapshots
-from .launch import (FAILURE_FILE_ENV, _Signals, _signal_group, _stopped, _wait_or_kill, failure_markers,
-                     first_failure, read_failure, spawn)
+from .launch import (FAILURE_FILE_ENV, GENERATION_ENV, _flag_value, _Signals, _signal_group, _stopped,
+                     _wait_or_kill, failure_markers, first_failure, read_failure, spawn)
+
+
+@dataclasses.dataclass
+class Generation:
+    """One multi-process run over the live islands: which, from which step to which, and when."""
+
+    islands: list[int]
+    start_step: int
+    started: float  # wall-clock
+    last_step: int | None = None  # the last step any of its islands finished
+    ended: float | None = None
+
+
+def generations_summary(generations: list[Generation], tokens_per_island_step: int) -> list[str]:
+    """Every generation's islands, steps, time and the tokens its islands trained, then the totals,
+    including the tokens of steps trained and then lost to a re-form (the next generation went back
+    to an earlier sync boundary)."""
+    lines, trained, kept = [], 0, 0
+    for g, gen in enumerate(generations):
+        last = gen.start_step if gen.last_step is None else max(gen.start_step, gen.last_step)
+        tokens = (last - gen.start_step) * len(gen.islands) * tokens_per_island_step
+        until = generations[g + 1].start_step if g + 1 < len(generations) else last
+        trained += tokens
+        kept += (max(gen.start_step, min(last, until)) - gen.start_step) * len(gen.islands) * tokens_per_island_step
+        seconds = (gen.ended or time.time()) - gen.started
+        lines.append(f"  generation {g}: islands {gen.islands}, steps {gen.start_step}-{last} in {seconds:.1f} s, "
+                     f"{tokens:,} tokens")
+    seconds = (generations[-1].ended or time.time()) - generations[0].started
+    head = f"{len(generations)} generations in {seconds:.1f} s, {trained:,} tokens trained"
+    if trained > kept:
+        head += f" ({trained - kept:,} of them in steps redone after a re-form)"
+    return [head, *lines]
 
 
 @dataclasses.dataclass
@@ -50,8 +82,10 @@ class ElasticLauncher:
     """Runs generations until the run finishes, fails, or too few islands are left."""
 
     def __init__(self, num_islands: int, flags: list[str], *, module: str, prefix: list[str], log_dir: Path,
-                 run_dir: Path, policy: ElasticPolicy, grace_s: float):
+                 run_dir: Path, policy: ElasticPolicy, grace_s: float, env: dict[str, str] | None = None):
         self.num_islands, self.flags, self.module, self.prefix = num_islands, flags, module, prefix
+        self.env = env or {}  # for every island of every generation
+        self.generations: list[Generation] = []
         self.log_dir, self.run_dir, self.policy, self.grace_s = log_dir, run_dir, policy, grace_s
         self.live = list(range(num_islands))
         self.restarts = [0] * num_islands
@@ -79,10 +113,14 @@ class ElasticLauncher:
     def run(self) -> int:
         with _Signals() as signals:
             try:
+                self._next_start = self._newest_snapshot(self.live)  # a relaunch goes on from its islands' snapshots
                 generation = 0
                 while True:
                     outcome = self._generation(generation, signals)
                     if outcome is not None:
+                        if len(self.generations) > 1:  # the trainer's own summary covers the last one only
+                            for line in generations_summary(self.generations, self._tokens_per_island_step()):
+                                self._say(line)
                         return outcome
                     generation += 1
             finally:
@@ -116,11 +154,12 @@ class ElasticLauncher:
             with log.open("a") as f:
                 f.write(f"=== generation {generation}: islands {islands} ===\n")
         self.markers = failure_markers(self.log_dir, "island", islands)
-        env = [{"EQX_DILOCO_ISLANDS": ",".join(map(str, islands)), "EQX_DILOCO_NUM_ISLANDS": str(self.num_islands),
-                "EQX_DILOCO_ELASTIC_EVENTS": json.dumps(self.events), FAILURE_FILE_ENV: str(marker)}
-               for marker in self.markers]
+        env = [{**self.env, "EQX_DILOCO_ISLANDS": ",".join(map(str, islands)),
+                "EQX_DILOCO_NUM_ISLANDS": str(self.num_islands), "EQX_DILOCO_ELASTIC_EVENTS": json.dumps(self.events),
+                GENERATION_ENV: str(generation), FAILURE_FILE_ENV: str(marker)} for marker in self.markers]
         flags = [*self.flags, "--diloco.num-replicas", str(n)]
         started = time.time()
+        self.generations.append(Generation(islands, self._next_start, started))
         self.procs, self.tee = spawn(n, flags, module=self.module, prefix=self.prefix, logs=logs, env=env,
                                      log_mode="a")
         self._unlogged, self.events = self.events, []  # logged by the generation once it trains
@@ -129,15 +168,19 @@ class ElasticLauncher:
         self.exited_at: dict[int, float] = {}  # wall-clock times, comparable with the failure markers'
         while True:
             if signals.received:
-                return self._forward(signals)
+                code = self._forward(signals)
+                self._end_generation(islands)
+                return code
             codes = [p.poll() for p in self.procs]
             for k, c in enumerate(codes):
                 if c is not None:
                     self.exited_at.setdefault(k, time.time())
             if all(c == 0 for c in codes):
+                self._end_generation(islands)
                 self._report_end()
                 return 0
             if all(c == REFORM_EXIT_CODE for c in codes):
+                self._end_generation(islands)
                 self._rejoin(started)
                 return None
             failed = [k for k, c in enumerate(codes) if c not in (None, 0, REFORM_EXIT_CODE)]
@@ -167,6 +210,7 @@ class ElasticLauncher:
             if all(c is not None for c in codes):
                 # Everyone failing alike on their own (a refused flag, a divergence) is the run's failure, not a loss.
                 if self._failed_alike(codes):
+                    self._end_generation(islands)
                     self._say(f"every island exited with code {codes[0]}; see its last lines above")
                     return codes[0]
                 break
@@ -178,6 +222,7 @@ class ElasticLauncher:
         code = self.procs[first].poll()
         last_step = max(self._progress(i)[0] for i in islands)
         self._kill_all()  # survivors may wait on the lost island inside a collective
+        self._end_generation(islands)
         island = islands[first]
         if frozen:
             how = "was frozen"
@@ -187,6 +232,7 @@ class ElasticLauncher:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self.live.remove(island)
         resume = self._newest_snapshot(self.live)
+        self._next_start = resume
         event = {"event": "island_lost", "island": island, "detected_unix": detected, "last_step": last_step,
                  "resume_step": resume, "lost_steps": max(0, last_step - resume), "live_replicas": len(self.live)}
         if len(self.live) < self.policy.min_replicas:
@@ -206,6 +252,22 @@ class ElasticLauncher:
                   f"boundary at step {resume}{plan}")
         return None
 
+    def _end_generation(self, islands: list[int]) -> None:
+        """Note when the running generation ended and the last step its islands finished in it."""
+        gen = self.generations[-1]
+        steps = [step for step, when in map(self._progress, islands) if when > gen.started]
+        gen.last_step, gen.ended = max(steps, default=gen.start_step), time.time()
+
+    def _tokens_per_island_step(self) -> int:
+        """--train.batch-size x --train.seq-len among the trainer flags (the trainer's defaults if absent)."""
+        from .config import TrainConfig
+
+        def flag(name: str, default: int) -> int:
+            value = _flag_value(self.flags, name)
+            return int(value) if value is not None and value.isdigit() else default
+
+        return flag("--train.batch-size", TrainConfig.batch_size) * flag("--train.seq-len", TrainConfig.seq_len)
+
     def _failed_alike(self, codes: list[int]) -> bool:
         """Every island exited with the same error code, and (for those that wrote a failure marker)
         the same error: not one island's failure that the others ran into. Numbers are left out of the
@@ -221,6 +283,7 @@ class ElasticLauncher:
     def _rejoin(self, started: float) -> None:
         due = sorted(i for i, at in self.rejoin_at.items() if at <= time.time())
         step = self._newest_snapshot(self.live)
+        self._next_start = step
         for island in due:
             del self.rejoin_at[island]
             self.events.append({"event": "island_rejoined", "island": island, "detected_unix": time.time(),

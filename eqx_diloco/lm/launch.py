@@ -10,7 +10,8 @@ If any process dies, the launcher stops the rest and exits non-zero naming the p
 failed first (a frozen process rather than the one that gave up waiting on it; each trainer
 records when it failed, see `record_failure`), so nothing hangs. Ctrl-C is forwarded as SIGINT,
 SIGTERM and SIGHUP as SIGTERM; whatever still runs `--grace-s` seconds later is killed, and the
-processes die with the launcher if it is killed outright. A default (temporary) log folder is removed when the run succeeds, and named otherwise.
+processes die with the launcher if it is killed outright. A default (temporary) log folder is
+removed when the run succeeds, and named otherwise.
 
 With `--elastic.enabled` among the trainer flags (one process per island), a lost island does not
 stop the run: the others are re-formed into a run of their own from their newest sync boundary,
@@ -47,6 +48,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Set by the launcher for its processes with --bandwidth: the rate, which the trainer's banner shows.
+LINK_LIMIT_ENV = "EQX_DILOCO_LINK_LIMIT"
+# Set by the elastic launcher: the generation's number (0 for the first), which the trainer's end-of-run
+# summary reads: after a re-form its own time and token count cover that generation only, and the
+# launcher sums up every generation.
+GENERATION_ENV = "EQX_DILOCO_GENERATION"
 
 
 class LinkLimit:
@@ -277,7 +286,8 @@ def launch(
         print(f"error: {problem}", file=sys.stderr)
         return 2
     with _link(bandwidth) as prefix:
-        return _launch(num_processes, flags, module=module, prefix=prefix, log_dir=log_dir, grace_s=grace_s)
+        return _launch(num_processes, flags, module=module, prefix=prefix, log_dir=log_dir, grace_s=grace_s,
+                       env=_link_env(bandwidth))
 
 
 def _link(bandwidth: str | None) -> contextlib.AbstractContextManager[list[str]]:
@@ -285,13 +295,18 @@ def _link(bandwidth: str | None) -> contextlib.AbstractContextManager[list[str]]
     return LinkLimit(bandwidth) if bandwidth else contextlib.nullcontext([])
 
 
+def _link_env(bandwidth: str | None) -> dict[str, str]:
+    """The variables that tell the processes about the limited link (none without `bandwidth`)."""
+    return {LINK_LIMIT_ENV: bandwidth} if bandwidth else {}
+
+
 def _launch(num_processes: int, flags: list[str], *, module: str, prefix: list[str], log_dir: Path,
-            grace_s: float) -> int:
+            grace_s: float, env: dict[str, str]) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     logs = [log_dir / f"process_{i}.log" for i in range(num_processes)]
     markers = failure_markers(log_dir, "process", range(num_processes))
-    env = [{FAILURE_FILE_ENV: str(marker)} for marker in markers]
+    env = [{**env, FAILURE_FILE_ENV: str(marker)} for marker in markers]
     tee = None
     try:
         with _Signals() as signals:
@@ -328,7 +343,7 @@ def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth
     log_dir.mkdir(parents=True, exist_ok=True)
     with _link(bandwidth) as prefix:
         return ElasticLauncher(num_islands, flags, module=module, prefix=prefix, log_dir=log_dir, run_dir=run_dir,
-                               policy=policy, grace_s=grace_s).run()
+                               policy=policy, grace_s=grace_s, env=_link_env(bandwidth)).run()
 
 
 def spawn(
