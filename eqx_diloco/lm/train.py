@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if not process.joined:
             record_failure(1, _one_line(e))
             raise  # one process: Python's own traceback (this is a bug), exit 1
-        if not isinstance(e, jax_runtime_error()):
+        if not isinstance(e, _jax_runtime_error()):
             traceback.print_exc()  # a bug: its traceback, then the line that says which process failed
         # A JaxRuntimeError here is the runtime losing another process (gloo's "Connection closed by peer",
         # a timed-out exchange): one line, as this process is not the one that failed first.
@@ -141,7 +141,7 @@ def _main(config: Config, process: _Process) -> int:
             if trainer.log_error is None:
                 print(e, file=sys.stderr, flush=True)
                 return 128 + e.signum
-            # A failed metrics write stopped the run (every process at the same step, as for SIGTERM).
+            # A failed metrics or TensorBoard write stopped the run (every process at one step, as for SIGTERM).
             return _fail(process, 1, f"{trainer.log_error}; {_stopped_at(trainer, e.step)}", local=False)
         if trainer.log_error is not None:  # it failed at the last step: the run finished all the same
             return _fail(process, 1, f"{trainer.log_error}; the run finished ({_saved(trainer)})", local=False)
@@ -186,8 +186,8 @@ def _os_error(e: OSError) -> str:
     return _one_line(e)
 
 
-def jax_runtime_error() -> type[BaseException] | tuple[()]:
-    """JAX's runtime error class (imported only once JAX runs; a class nothing raises otherwise)."""
+def _jax_runtime_error() -> type[BaseException] | tuple[()]:
+    """JAX's runtime error class, or () (which no exception is an instance of) if JAX never started."""
     errors = sys.modules.get("jax.errors")
     return getattr(errors, "JaxRuntimeError", ()) if errors is not None else ()
 
