@@ -85,3 +85,29 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     # Known-slow files first, in the order above; then the rest by number of tests, as xdist would.
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name]))
+
+
+# -- the fast tier ---------------------------------------------------------------------------
+# `pytest -m "not slow"` is the inner loop: it starts no process. A test not marked slow that
+# tries to is an error, so the tier cannot silently grow slow again.
+
+
+class SubprocessInFastTest(RuntimeError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _no_subprocess_in_fast_tests(request, monkeypatch):
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise SubprocessInFastTest(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
+
+    import subprocess
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse, raising=False)
+    yield

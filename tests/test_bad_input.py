@@ -158,6 +158,7 @@ def test_the_forking_runner_reports_what_python_m_would(results):
     assert help_.returncode == 0 and "--diloco.num-fragments" in help_.stdout.decode()
 
 
+@pytest.mark.slow
 def test_second_trainer_on_a_locked_run_dir_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     with RunDirLock(run_dir):
@@ -177,6 +178,7 @@ def test_run_dir_lock_is_exclusive_and_released(tmp_path):
         pass
 
 
+@pytest.mark.slow
 def test_lock_of_a_killed_trainer_does_not_block_the_next(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eqx_diloco.lm._preflight import RunDirLock\n"
                                f"with RunDirLock({str(tmp_path / 'run')!r}):\n print('locked', flush=True); "

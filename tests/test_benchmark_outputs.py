@@ -77,6 +77,7 @@ def _fake_run(run_dir: pathlib.Path, *, loss: float, peak: int, steps: int = 20)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
+@pytest.mark.slow
 def test_peak_bandwidth_reads_metrics_and_reports(tmp_path):
     records = []
     for seed, (a, b) in enumerate([(2.0, 2.02), (2.1, 2.1)]):

@@ -70,6 +70,7 @@ def test_empty_and_unreadable_paths(tmp_path, capsys):
     assert "--model.vocab-size must exceed every token id" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_subprocess_error_has_no_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "eqx_diloco.train", "--model.dim", "100", "--model.num-heads", "3",

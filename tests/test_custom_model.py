@@ -11,7 +11,6 @@ import numpy as np
 import optax
 import pytest
 
-import eqx_diloco
 from eqx_diloco import Checkpointer, ConfigError, DiLoCo
 
 from custom_model import DEPTH, IN_DIM, WIDTH, StackedMLP, loss_fn, make_batch

@@ -425,6 +425,7 @@ def test_two_phase_temporary_memory_does_not_grow_with_R():
     assert _temp_bytes(8, n, "none", "gather") >= 8 * n * 4
 
 
+@pytest.mark.slow
 def test_wire_benchmark_quick(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-m", "benchmarks.wire", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=env,

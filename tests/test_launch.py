@@ -13,6 +13,8 @@ import pytest
 
 TESTS = Path(__file__).parent
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def _alive(pid: int) -> bool:
     """Running (a zombie waiting to be reaped does not count)."""

@@ -38,6 +38,7 @@ def quick(tmp_path_factory):
     return out, log, json.loads((out / "outer_sweep.json").read_text())
 
 
+@pytest.mark.slow
 def test_quick_json_structure(quick):
     out, log, result = quick
     assert result["benchmark"] == "outer_sweep" and result["mode"] == "quick"
@@ -108,6 +109,7 @@ def test_r1_diloco_is_compared_with_plain_training_and_the_copy_cell_is_not_run(
     assert r1["gap_pct"]["values"] == pytest.approx([5.0, 0.0])  # (2.1 - 2.0) / 2.0, (2.2 - 2.2) / 2.2
 
 
+@pytest.mark.slow
 def test_resume_skips_finished_runs_and_report_rerenders(quick, tmp_path):
     out, _, result = quick
     log = sweep("--quick", "--study", "batch", "--out", out, "--no-plots")
@@ -120,6 +122,7 @@ def test_resume_skips_finished_runs_and_report_rerenders(quick, tmp_path):
     assert (tmp_path / "outer_sweep.md").read_text().startswith("# Outer-optimizer study (quick)")
 
 
+@pytest.mark.slow
 def test_help_documents_every_mode():
     text = sweep("--help", timeout=120)
     for flag in ("--quick", "--full", "--report", "--plan", "--seeds", "--out", "--split", "benchmarks/results"):

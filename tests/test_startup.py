@@ -42,6 +42,7 @@ def test_model_size_counts_every_parameter(model):
     assert model_size(config) == (sum(a.size for a in arrays), sum(a.nbytes for a in arrays))
 
 
+@pytest.mark.slow
 def test_the_cli_and_the_package_import_without_jax():
     """So the setup is printed before JAX's import (seconds) starts."""
     code = ("import sys, eqx_diloco, eqx_diloco.lm.train, eqx_diloco.lm._banner, models; "
@@ -99,6 +100,7 @@ def _fresh_python(code: str, env: dict) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cache_is_written_to_the_per_user_folder_and_read_back(tmp_path):
     code = """
         import jax, jax.numpy as jnp
@@ -143,7 +145,7 @@ def test_format_summary():
     # No checkpoints: nothing to export, so no export command.
     no_ck = format_summary({"step": 5, "sent_bytes": 0, "tokens": 7, "ddp_bytes": 100},
                            dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, every=0)))
-    assert "eqx_diloco.lm.export" not in no_ck and "checkpoints" not in no_ck and "done: 5 steps, 7 tokens" in no_ck
+    assert "eqx_diloco.export" not in no_ck and "checkpoints" not in no_ck and "done: 5 steps, 7 tokens" in no_ck
     ddp = format_summary({"step": 3, "sent_bytes": 3 * param_bytes}, Config(algorithm="ddp"))
     assert "DDP would have sent" not in ddp and "a float32 gradient every step" in ddp
     again = finished_message(config, 200)

@@ -1,13 +1,9 @@
 """metrics.jsonl, config.json and the terminal progress display."""
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from .._json import to_jsonable
 from .launch import record_failure
