@@ -3,10 +3,10 @@ names to its flags (`eqx_diloco.lm.config.validate`)."""
 
 from typing import Any
 
-import jax
-
-from . import quantize as _quantize
 from ._errors import ConfigError
+from ._formats import FORMATS
+
+# No JAX at import: the CLI checks its flags with `check_arguments` before JAX (seconds) is imported.
 
 PyTree = Any
 
@@ -48,7 +48,7 @@ def check_arguments(
     _require(algorithm in ("diloco", "ddp"), f"algorithm must be diloco or ddp (got {algorithm!r})")
     _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
     _require(comm_device in ("auto", "on", "off"), f"comm_device must be auto, on or off (got {comm_device!r})")
-    _require(quantize in _quantize.FORMATS, f"quantize must be one of {', '.join(_quantize.FORMATS)} (got {quantize!r})")
+    _require(quantize in FORMATS, f"quantize must be one of {', '.join(FORMATS)} (got {quantize!r})")
     _require(exchange in ("auto", "gather", "two_phase"), f"exchange must be auto, gather or two_phase (got {exchange!r})")
     _require(fragment_pattern in ("strided", "sequential", "balanced"),
              f"fragment_pattern must be strided, sequential or balanced (got {fragment_pattern!r})")
@@ -83,6 +83,8 @@ def check_arguments(
 
 def check_batch(batch: PyTree, num_replicas: int) -> None:
     """Every leaf of `batch` needs the leading replica axis of size R and a batch axis after it."""
+    import jax  # noqa: PLC0415  (see the note on imports above)
+
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         shape = getattr(leaf, "shape", ())
         if len(shape) < 2 or shape[0] != num_replicas:

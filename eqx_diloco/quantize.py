@@ -58,7 +58,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Float32, Shaped
 
-FORMATS: tuple[str, ...] = ("none", "bf16", "fp8", "int8", "int4", "e3m0")
+from ._formats import FORMATS as FORMATS  # re-exported: quantize.FORMATS
+
 
 # Values per float32 scale. 256 keeps scale overhead at 32/256 = 0.125 bits per value
 # while a single outlier only coarsens its own 256 neighbours.

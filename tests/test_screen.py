@@ -15,7 +15,7 @@ import pytest
 import tyro
 
 from eqx_diloco.lm._banner import format_summary, setup_lines
-from eqx_diloco.lm._devices import forward_without_gloo_lines
+from eqx_diloco.lm._devices import drop_gloo_noise, forward_without_gloo_lines
 from eqx_diloco.lm._elastic_launch import Generation, generations_summary
 from eqx_diloco.lm.config import Config
 from eqx_diloco.lm.export import main as export_main
@@ -82,6 +82,21 @@ def test_gloos_connected_lines_are_dropped_and_everything_else_passes_in_order()
         received += rest.read()
     os.close(source_r)
     assert received == b"step 1\n" + SHORT + b"[Glad] not gloo\n50%\r"
+
+
+def test_two_gloo_messages_written_into_each_other_are_both_dropped():
+    """Two communicators connecting at once, from two threads: std::cout writes in pieces, so one
+    message lands inside the other (as seen in a 2-process run)."""
+    zero = b"[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0\n"
+    nested = zero[:31] + zero + zero[31:]
+    assert nested.startswith(b"[Gloo] Rank 0 is connected to 0[Gloo]")
+    assert drop_gloo_noise(b"a\n" + nested + b"b\n") == (b"a\nb\n", b"")
+    # The outer message's first piece arrives alone: held back until the rest comes.
+    passed, held = drop_gloo_noise(b"a\n" + nested[:31])
+    assert (passed, held) == (b"a\n", nested[:31])
+    assert drop_gloo_noise(held + nested[31:] + b"b\n") == (b"b\n", b"")
+    # A shortfall inside another message is kept, in full.
+    assert drop_gloo_noise(zero[:31] + SHORT + zero[31:]) == (zero[:31] + SHORT + zero[31:], b"")
 
 
 # -- the elastic summary --------------------------------------------------------------------

@@ -35,8 +35,15 @@ def setup_devices(config: "Config") -> None:
 
 # What gloo prints with std::cout each time it connects a communicator (twice per run here); no variable
 # turns it off. When all peers are connected it is noise that reads like a warning; a shortfall is kept.
+# Two communicators can connect at once, from two threads, and std::cout writes a message in pieces,
+# so one message can land inside another: "[Gloo] Rank 0 is connected to 0[Gloo] Rank 0 ... : 0\n
+#  peer ranks. ...". Messages are therefore cut out of the stream wherever they are, not line by line,
+# and cutting the inner one joins the outer one up again.
 _GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                             rb"Expected number of connected peer ranks is : (\d+)\s*")
+                             rb"Expected number of connected peer ranks is : (\d+) *\n?")
+_GLOO_TAG = b"[Gloo]"
+# How much unfinished gloo text is held back, waiting for the rest of its message, before it is let through.
+_GLOO_HOLD_BYTES = 4096
 
 
 def quiet_gloo_lines() -> None:
@@ -58,17 +65,30 @@ def quiet_gloo_lines() -> None:
 
 
 def forward_without_gloo_lines(source: int, target: int) -> None:
-    """Copy file descriptor `source` to `target` until it closes, without gloo's all-connected lines.
+    """Copy file descriptor `source` to `target` until it closes, without gloo's all-connected messages.
 
     If `target` fails (a closed terminal), `source` is still drained, so native writers never block."""
-    pending = b""
+    held = b""
     while chunk := os.read(source, 65536):
-        *lines, pending = (pending + chunk).split(b"\n")
-        out = b"".join(line + b"\n" for line in lines if not _gloo_noise(line))
-        if pending and not b"[Gloo]".startswith(pending[:6]):  # cannot become a gloo line: no need to hold it
-            out, pending = out + pending, b""
+        out, held = drop_gloo_noise(held + chunk)
         target = _write_all(target, out)
-    _write_all(target, pending)
+    _write_all(target, held)
+
+
+def drop_gloo_noise(text: bytes) -> tuple[bytes, bytes]:
+    """Split `text` into what can be passed on now, with gloo's all-connected messages cut out, and
+    what is held back: from an unfinished gloo message on (or a tail that may start one)."""
+    previous = None
+    while previous != text:  # cutting an inner message can complete an outer one
+        previous = text
+        text = _GLOO_CONNECTED.sub(lambda m: b"" if m[1] == m[2] else m[0], text)
+    start = text.find(_GLOO_TAG, text.rfind(b"\n") + 1)  # a gloo message not finished by a newline yet
+    if start >= 0 and len(text) - start < _GLOO_HOLD_BYTES:
+        return text[:start], text[start:]
+    for size in range(min(len(_GLOO_TAG) - 1, len(text)), 0, -1):  # a tail that may become "[Gloo]"
+        if _GLOO_TAG.startswith(text[-size:]):
+            return text[:-size], text[-size:]
+    return text, b""
 
 
 def _write_all(target: int | None, data: bytes) -> int | None:
@@ -79,11 +99,6 @@ def _write_all(target: int | None, data: bytes) -> int | None:
     except OSError:
         return None
     return target
-
-
-def _gloo_noise(line: bytes) -> bool:
-    match = _GLOO_CONNECTED.fullmatch(line)
-    return match is not None and match[1] == match[2]
 
 
 # How much later than `join` JAX's own start-up deadline falls: past that deadline JAX's C++ client aborts
