@@ -80,7 +80,8 @@ def machine_info() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "devices": len(jax.devices()),
         "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
+        # Not platform.platform(): it starts `uname -p` in a subprocess.
+        "platform": "-".join(os.uname()[i] for i in (0, 2, 4)),
         "python": platform.python_version(),
     }
 
