@@ -22,8 +22,11 @@ import numpy as np
 from eqx_diloco import schedule
 
 
-def group_masks(params, num_fragments: int, depth: int, in_stack) -> list:
-    """Per group, a list (flatten order) of boolean arrays marking that group's elements."""
+def group_masks(params, num_fragments: int, depth: int, in_stack, pattern: str = "strided") -> list:
+    """Per group, a list (flatten order) of boolean arrays marking that group's elements: group 0
+    holds every leaf outside the stack, groups 1..P-1 the layers dealt `strided` (layer l to group
+    1 + l % (P - 1)) or `sequential` (consecutive runs of depth / (P - 1) layers)."""
+    groups = max(num_fragments - 1, 1)
     leaves = jax.tree.leaves(params)
     masks = []
     for g in range(num_fragments):
@@ -34,7 +37,8 @@ def group_masks(params, num_fragments: int, depth: int, in_stack) -> list:
             elif not stacked:
                 mask.append(np.full(x.shape, g == 0))
             else:
-                layers = np.array([layer % (num_fragments - 1) == g - 1 for layer in range(depth)])
+                dealt = [layer % groups if pattern == "strided" else layer // (depth // groups) for layer in range(depth)]
+                layers = np.array([d == g - 1 for d in dealt])
                 mask.append(np.broadcast_to(layers.reshape((depth,) + (1,) * (x.ndim - 1)), x.shape))
         masks.append(mask)
     return masks

@@ -1,4 +1,6 @@
-"""Equivalence tests of the trainer against plain references."""
+"""Equivalence tests of the trainer (the CLI's path: config, data, LM model) against plain
+references. `test_core_equivalence.py` checks the same math on `DiLoCo` itself, in the fast tier;
+these run the trainer end to end and are marked slow."""
 
 import dataclasses
 
@@ -13,6 +15,7 @@ from eqx_diloco._outer import mean_outer_gradient
 from util import train_losses
 
 
+@pytest.mark.slow
 def test_diloco_one_replica_h1_lr1_equals_plain_training(make_config):
     diloco = make_config(
         diloco=dict(num_replicas=1, sync_period=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
@@ -30,6 +33,7 @@ def _place(trainer, tokens):
     return jax.device_put(tokens, trainer.batch_sharding)
 
 
+@pytest.mark.slow
 def test_ddp_r_replicas_equals_one_replica_with_r_times_batch(make_config):
     many = Trainer(make_config(algorithm="ddp", diloco=dict(num_replicas=2), train=dict(batch_size=4)), verbose=False)
     one = Trainer(make_config(algorithm="ddp", diloco=dict(num_replicas=1), train=dict(batch_size=8)), verbose=False)
@@ -45,6 +49,7 @@ def test_ddp_r_replicas_equals_one_replica_with_r_times_batch(make_config):
         np.testing.assert_array_equal(a[0], a[1])  # ddp keeps replicas identical
 
 
+@pytest.mark.slow
 def test_data_axis_splits_the_batch_without_changing_the_math(make_config):
     flat = make_config(diloco=dict(num_replicas=2, sync_period=4), train=dict(steps=6))
     grid = dataclasses.replace(flat, mesh=dataclasses.replace(flat.mesh, data=2), run_dir=flat.run_dir.parent / "2x2")
@@ -70,6 +75,7 @@ def test_shard_map_outer_mean_equals_vmap_reference(grid, exchange):
     assert np.asarray(finite).tolist() == [True] * R
 
 
+@pytest.mark.slow
 def test_sync_applies_nesterov_sgd_to_the_mean_outer_gradient(make_config):
     trainer = Trainer(make_config(diloco=dict(num_replicas=4, sync_period=3)), verbose=False)
     state, _ = trainer.initial_state()

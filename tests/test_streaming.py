@@ -13,6 +13,7 @@ from reference import reference_diloco
 from util import read_metrics, train_losses
 
 
+@pytest.mark.slow  # the same math on DiLoCo itself: test_core_equivalence.py
 @pytest.mark.parametrize(
     "diloco",
     [
