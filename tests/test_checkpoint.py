@@ -196,6 +196,7 @@ def _checkpointer(run: Path) -> tuple[Checkpointer, Trainer]:
     return trainer.checkpointer, trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["truncate", "delete", "flip", "metadata"])
 def test_corrupt_latest_checkpoint_falls_back_to_previous(trained, tmp_path, capsys, mode):
     run = _copy(trained, tmp_path)
@@ -313,6 +314,7 @@ def _poison_replica(trainer: Trainer, replica: int, before_step: int) -> None:
     trainer.core.inner_step = inner_step
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_drops_that_replica_until_the_sync_heals_it(make_config):
     config = make_config(diloco=dict(num_replicas=2, sync_period=4), train=dict(steps=6, on_nonfinite="skip"))
     trainer = Trainer(config, verbose=False)

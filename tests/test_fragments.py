@@ -19,7 +19,8 @@ def _model(num_layers):
     return Transformer(config, key=jax.random.key(num_layers))
 
 
-@pytest.mark.parametrize("L,P,pattern", CASES)
+# Every case of a few depths (get/put run op by op: about a second per case).
+@pytest.mark.parametrize("L,P,pattern", [case for case in CASES if case[0] in (1, 4, 12)])
 def test_fragments_partition_every_parameter_exactly_once(L, P, pattern):
     model = _model(L)
     frag = Fragmenter.for_model(model, lambda m: m.blocks, P, pattern)

@@ -63,6 +63,7 @@ def test_quick_json_structure(quick):
     assert "| run |" in (out / "outer_sweep.md").read_text()
 
 
+@pytest.mark.slow
 def test_statistics_come_from_the_per_seed_runs(quick):
     _, _, result = quick
     runs = {(r["study"], r["cell"], r["seed"]): r["eval_loss"] for r in result["runs"]}

@@ -30,6 +30,7 @@ def fake_run(path, config: Config, evals=((0, 5.0), (4, 3.0)), steps=4, bytes_pe
     return path
 
 
+@pytest.mark.slow
 def test_two_real_runs_make_a_png(tmp_path, capsys):
     a, b = tmp_path / "diloco", tmp_path / "ddp"
     assert train_main([*TINY, "--run-dir", str(a)]) == 0

@@ -152,6 +152,7 @@ def test_bad_metadata_is_an_error(tmp_path):
         load_tokens(DataConfig(source="tokens", path=out), 256, 0)
 
 
+@pytest.mark.slow
 def test_train_three_steps_on_prepared_tokens(tmp_path, tokenizer_path, text_file, capsys):
     out = tmp_path / "tokens.bin"
     assert prepare.main([str(text_file), str(out), "--tokenizer", str(tokenizer_path)]) == 0

@@ -20,6 +20,7 @@ def _sent_bytes(make_config, fmt, **diloco):
     return [r for r in read_metrics(config.run_dir) if "loss" in r][-1]["sent_bytes"]
 
 
+@pytest.mark.slow
 def test_sent_bytes_ratios_from_metrics(make_config):
     full = _sent_bytes(make_config, "none")
     ratios = {fmt: _sent_bytes(make_config, fmt) / full for fmt in ("bf16", "fp8", "int8", "int4", "e3m0")}
@@ -28,6 +29,7 @@ def test_sent_bytes_ratios_from_metrics(make_config):
     assert ratios["int4"] <= 0.14 and ratios["e3m0"] <= 0.14
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange", ["gather", "two_phase"])
 def test_lossless_payload_exchange_equals_psum_in_training(make_config, monkeypatch, exchange):
     """Force format `none` through a payload exchange: same run as the psum path."""
@@ -43,6 +45,7 @@ def test_lossless_payload_exchange_equals_psum_in_training(make_config, monkeypa
     np.testing.assert_allclose(train_losses(psum.run_dir), train_losses(gathered.run_dir), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "e3m0"])
 def test_quantized_training_tracks_float32_and_keeps_replicas_in_step(make_config, fmt):
     base = make_config(diloco=dict(num_replicas=2, sync_period=2), train=dict(steps=8))
@@ -59,6 +62,7 @@ def test_quantized_training_tracks_float32_and_keeps_replicas_in_step(make_confi
         np.testing.assert_array_equal(leaf[0], leaf[1])  # replicas replaced by the same global values
 
 
+@pytest.mark.slow
 def test_error_feedback_keeps_the_quantization_residual(make_config):
     config = make_config(diloco=dict(num_replicas=2, sync_period=3, quantize="int4", error_feedback=True))
     trainer = Trainer(config, verbose=False)
@@ -76,6 +80,7 @@ def test_error_feedback_keeps_the_quantization_residual(make_config):
         assert float(jnp.abs(got).max()) > 0
 
 
+@pytest.mark.slow
 def test_wire_bytes_follow_the_collective(make_config):
     """At R = 4, int4 two-phase moves ~1/8 of the float32 ring all-reduce; the one-shot gather twice that."""
     lines = {}
@@ -100,6 +105,7 @@ def test_wire_bytes_follow_the_collective(make_config):
     assert lines["gather"]["sent_bytes"] <= lines["two_phase"]["sent_bytes"]  # two-phase pads to 4 chunks
 
 
+@pytest.mark.slow
 def test_a_non_finite_replica_leaves_no_nan_residual(make_config):
     """Error feedback + skip: a replica whose outer gradient is NaN must not store a NaN residual
     (it would re-poison that replica at every later sync of the group)."""

@@ -51,6 +51,7 @@ def test_router_drift_is_zero_for_equal_replicas_and_grows_apart():
     np.testing.assert_allclose(router_drift([other], (True,)), 2.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_diloco_run_logs_balance_and_drift(make_config):
     config = make_config(model=MOE, diloco=dict(num_replicas=2, sync_period=4, num_fragments=2, router_sync_period=2),
                          train=dict(steps=8))

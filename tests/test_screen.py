@@ -141,6 +141,7 @@ def _token_file(tmp_path) -> list[str]:
     return ["--data.source", "tokens", "--data.path", str(path)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["bytes", "tokens"])
 def test_every_next_command_runs_as_printed(tmp_path, capsys, data):
     """The sample command of a token model used to fail (rc 2: its default prompt, a newline, is no token id)."""

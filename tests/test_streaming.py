@@ -101,6 +101,7 @@ def _constant_drift_run(make_config, tau, alpha, steps):
     return trainer, x0, np.asarray(c), history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tau", [0, 1, 2])
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 def test_closed_form_with_constant_inner_updates(make_config, tau, alpha):
@@ -142,6 +143,7 @@ def test_closed_form_with_constant_inner_updates(make_config, tau, alpha):
         check([v[0] for v in frag.get(hist[t2 + tau].params, p, layer_axis=1)], after_2[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("diloco", [dict(num_fragments=3, overlap_steps=1, alpha=0.5),
                                     dict(num_fragments=2, overlap_steps=0), dict(num_fragments=3, quantize="int4")])
 def test_all_replicas_hold_identical_global_params_and_outer_state_every_step(make_config, diloco):
@@ -158,6 +160,7 @@ def test_all_replicas_hold_identical_global_params_and_outer_state_every_step(ma
                 np.testing.assert_array_equal(s, shards[0])
 
 
+@pytest.mark.slow
 def test_metrics_name_synced_and_applied_fragments_and_count_fragment_bytes(make_config):
     config = make_config(model=dict(num_layers=2), diloco=dict(num_fragments=3, sync_period=6, overlap_steps=1),
                          train=dict(steps=13, log_every=100))
@@ -173,6 +176,7 @@ def test_metrics_name_synced_and_applied_fragments_and_count_fragment_bytes(make
     assert lines[-1]["peak_sync_bytes"] == max(sizes) < sum(sizes)
 
 
+@pytest.mark.slow
 def test_sync_on_communication_devices_equals_sync_on_compute_devices(make_config):
     on = make_config(model=dict(num_layers=2), diloco=dict(num_fragments=3, sync_period=6, overlap_steps=1,
                                                            alpha=0.5, comm_device="on"), train=dict(steps=10))

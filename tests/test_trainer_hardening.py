@@ -65,6 +65,7 @@ def test_compile_phase_summary_and_tensorboard(tmp_path, capsys):
 
 # -- the final sync: every inner step reaches the global model ------------------------------
 
+@pytest.mark.slow
 def test_run_shorter_than_h_exports_a_trained_global_model(make_config):
     config = make_config(train={"steps": 3}, diloco={"sync_period": 4})
     trainer = Trainer(config, verbose=False)
@@ -103,6 +104,7 @@ def _poison(monkeypatch, at_step: int, what: str):
     monkeypatch.setattr(DiLoCo, "outer_steps", outer_steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [
@@ -369,6 +371,7 @@ class _FullDisk:
         self.file.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("log", ["metrics", "tensorboard"])
 def test_a_failed_log_write_stops_with_one_line_after_a_checkpoint(tmp_path, capsys, monkeypatch, log):
     """The 6th record cannot be written (ENOSPC). That used to end the run with a 36-71 line traceback and no
