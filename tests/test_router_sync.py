@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from eqx_diloco.lm import Trainer
 from eqx_diloco.lm.diagnostics import router_drift
