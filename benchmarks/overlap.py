@@ -19,12 +19,19 @@ Every method trains the same model as 2 processes (one replica each) joined by
 
 s/step is measured from the metrics' timestamps after a warm-up that covers every
 program's compilation (the first sync of every fragment); ddp, whose steps are all alike
-and slow, runs fewer steps. compute_utilization is compute_only's s/step divided by the
-method's, within one repeat; with `--repeats N` every method runs N times, interleaved
-(so a slow spell of the machine hits every method alike), and the table gives the median,
-the range and the mean +- sd over repeats. Needs root (network namespaces).
+and slow, runs fewer steps.
 
-    python -m benchmarks.overlap --quick --repeats 3 --json benchmarks/results/overlap.json
+Compute utilization is a paired ratio. A repeat runs compute_only, then each method
+followed by another compute_only (C M1 C M2 ... Mk C), the methods in a rotated order
+from repeat to repeat; a method's utilization in that repeat is the mean s/step of the
+two compute_only runs on either side of it divided by its own s/step. The machine's speed
+drifts over minutes, so only runs next to each other are compared. The table gives, per
+method, the mean over repeats with the half-width of its 95% t-interval. Needs root
+(network namespaces). The JSON is rewritten after every repeat, so an interrupted run
+keeps the repeats it finished.
+
+    python -m benchmarks.overlap --quick --repeats 8 --only ddp diloco streaming_overlap_tau3 eager \\
+        --json benchmarks/results/overlap_paired.json
 """
 
 import argparse
@@ -33,10 +40,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
-from eqx_diloco.lm.launch import LinkLimit
+if __package__ in (None, ""):  # `python benchmarks/overlap.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common  # noqa: E402
+from eqx_diloco.lm.launch import LinkLimit  # noqa: E402
 
 
 def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
@@ -73,12 +84,12 @@ def sync_bytes(metrics: Path) -> int:
     return records[-1]["peak_sync_bytes"]
 
 
-def run_method(name: str, flags: list[str], common: list[str], args, work: Path, steps: int, warmup: int,
-               cache: Path) -> dict:
+def run_method(name: str, flags: list[str], common_flags: list[str], bandwidth: str, work: Path, steps: int,
+               warmup: int, cache: Path) -> dict:
     run_dir = work / name
-    common = [*common, "--train.steps", str(steps)]
-    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--bandwidth", args.bandwidth,
-           "--log-dir", str(work / f"{name}_logs"), "--", *common, *flags, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--bandwidth", bandwidth,
+           "--log-dir", str(work / f"{name}_logs"), "--", *common_flags, "--train.steps", str(steps), *flags,
+           "--run-dir", str(run_dir)]
     # One persistent compilation cache for all methods and repeats: most share the inner step program.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -90,34 +101,72 @@ def run_method(name: str, flags: list[str], common: list[str], args, work: Path,
             "steps": steps, "timed_after_step": warmup}
 
 
+def rotated(names: list[str], repeat: int) -> list[str]:
+    """The methods in repeat `repeat`'s order: shifted by one each repeat, so no method is
+    always the first or the last of a repeat."""
+    shift = repeat % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
+def paired_repeat(run, names: list[str]) -> dict[str, dict]:
+    """One repeat: compute_only, then each method followed by a compute_only run.
+
+    `run(name)` returns `run_method`'s dict. Each method's record gets the mean s/step of
+    the compute_only runs just before and just after it (`compute_only_s_per_step`).
+    """
+    before = run("compute_only")
+    out = {}
+    for name in names:
+        result = run(name)
+        after = run("compute_only")
+        out[name] = result | {"compute_only_s_per_step": (before["s_per_step"] + after["s_per_step"]) / 2}
+        before = after
+    return out
+
+
 def summarize(repeats: list[dict[str, dict]]) -> dict[str, dict]:
-    """Per method, over repeats: the median s/step, and the median and range of its compute
-    utilization (each repeat's utilization against that repeat's compute_only)."""
+    """Per method, over repeats: the median s/step, and `common.mean_sd` of its paired
+    compute utilization (per repeat: its neighbouring compute_only s/step over its own)."""
     out = {}
     for name in repeats[0]:
         runs = [r[name] for r in repeats]
-        cu = [r["compute_only"]["s_per_step"] / run["s_per_step"] for r, run in zip(repeats, runs)]
+        utilization = [run["compute_only_s_per_step"] / run["s_per_step"] for run in runs]
         out[name] = {"s_per_step": statistics.median(run["s_per_step"] for run in runs),
-                     "compute_utilization": statistics.median(cu), "compute_utilization_min": min(cu),
-                     "compute_utilization_max": max(cu), "compute_utilization_mean": statistics.fmean(cu),
-                     "compute_utilization_sd": statistics.stdev(cu) if len(cu) > 1 else 0.0,
-                     "compute_utilization_repeats": cu, "s_per_step_repeats": [run["s_per_step"] for run in runs],
+                     "compute_utilization": common.mean_sd(utilization),
+                     "s_per_step_repeats": [run["s_per_step"] for run in runs],
+                     "compute_only_s_per_step_repeats": [run["compute_only_s_per_step"] for run in runs],
                      "bytes_per_sync": runs[0]["bytes_per_sync"], "steps": runs[0]["steps"],
                      "timed_after_step": runs[0]["timed_after_step"]}
     return out
 
 
+def render_table(results: dict[str, dict]) -> str:
+    rows = [{"method": name, "s_per_step": r["s_per_step"],
+             "compute_only": statistics.median(r["compute_only_s_per_step_repeats"]),
+             "utilization": r["compute_utilization"], "range": r["compute_utilization"]["values"],
+             "bytes": r["bytes_per_sync"]} for name, r in results.items()]
+    return common.markdown_table(rows, [
+        ("method", "method", None),
+        ("s/step (median)", "s_per_step", "{:.3f}".format),
+        ("compute only s/step (median)", "compute_only", "{:.3f}".format),
+        ("compute utilization, mean +- 95% CI", "utilization",
+         lambda u: f"{u['mean']:.3f} +- {u['ci95']:.3f}" if u["ci95"] is not None else f"{u['mean']:.3f}"),
+        ("range over repeats", "range", lambda v: f"{min(v):.2f}-{max(v):.2f}"),
+        ("bytes per sync", "bytes", common.fmt_bytes),
+    ])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps (about 6 minutes per repeat)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of every method, interleaved")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (about 30 s per run)")
+    parser.add_argument("--repeats", type=int, default=1, help="paired repeats of every method")
     parser.add_argument("--bandwidth", default="60mbit", help="link rate in tc units")
     parser.add_argument("--sync-period", type=int, default=16, help="H")
     parser.add_argument("--num-fragments", type=int, default=4, help="P (num_layers must be divisible by P - 1)")
     parser.add_argument("--steps", type=int, default=None, help="steps of the syncing methods (default warm-up + 2H quick, + 4H full)")
     parser.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default H + H/P)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these methods (compute_only always runs)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here (after every repeat)")
     parser.add_argument("--model-flags", default="--model.num-layers 6 --model.dim 128 --train.batch-size 4",
                         help="model and batch flags passed to every run")
     args = parser.parse_args(argv)
@@ -129,51 +178,52 @@ def main(argv=None) -> int:
         return 2
     H, P = args.sync_period, args.num_fragments
     tau_large = H // P - 1
-    args.warmup = args.warmup or H + tau_large + 1
-    steps = args.steps or (args.warmup + (2 if args.quick else 4) * H)
-    common = [*args.model_flags.split(), "--diloco.num-replicas", "2",
-              "--train.log-every", "1", "--train.eval-every", "0", "--checkpoint.every", "0"]
+    warmup = args.warmup or H + tau_large + 1
+    eager_warmup = max(warmup, 2 * H + 1)  # the first install of every exchange (step 2H) must be warm
+    steps = args.steps or (warmup + (2 if args.quick else 4) * H)
+    ddp_steps = 3 + (6 if args.quick else 16)  # its steps are uniform and slow: a short run times them
+    common_flags = [*args.model_flags.split(), "--diloco.num-replicas", "2",
+                    "--train.log-every", "1", "--train.eval-every", "0", "--checkpoint.every", "0"]
     methods = method_flags(H, P, tau_large)
     if args.only:
         unknown = sorted(set(args.only) - set(methods))
         if unknown:
             parser.error(f"--only: unknown method(s) {unknown}; choose from {sorted(methods)}")
         methods = {k: v for k, v in methods.items() if k == "compute_only" or k in args.only}
+    names = [name for name in methods if name != "compute_only"]
+    header = {"link": args.bandwidth, "sync_period": H, "num_fragments": P, "steps": steps, "warmup": warmup,
+              "eager_warmup": eager_warmup, "ddp_steps": ddp_steps, "model_flags": args.model_flags,
+              "pairing": "each method between two compute_only runs; utilization = their mean s/step / the method's",
+              "revision": common.revision()}
     repeats = []
-    with tempfile.TemporaryDirectory(prefix="overlap_bench_") as tmp:
+    with common.TemporaryRunDirs() as tmp:
+        cache = tmp / "jax_cache"
         for repeat in range(args.repeats):
-            if args.repeats > 1:
-                print(f"repeat {repeat + 1} of {args.repeats}", flush=True)
-            results = {}
-            for name, flags in methods.items():
-                work, cache = Path(tmp) / f"r{repeat}", Path(tmp) / "jax_cache"
-                if name == "ddp":  # its steps are uniform and slow: a short run times them
-                    short = 3 + (6 if args.quick else 16)
-                    results[name] = run_method(name, flags, common, args, work, short, 3, cache)
-                elif "eager" in name:  # the first install of every exchange (step 2H) must be warm
-                    warmup = max(args.warmup, 2 * H + 1)
-                    results[name] = run_method(name, flags, common, args, work, warmup + steps - args.warmup, warmup, cache)
+            print(f"repeat {repeat + 1} of {args.repeats}", flush=True)
+            counter = iter(range(10**6))  # every run of the repeat gets its own folder
+
+            def run(name: str) -> dict:
+                start = time.perf_counter()
+                work = tmp / f"r{repeat}" / f"{next(counter):02d}"
+                if name == "ddp":
+                    result = run_method(name, methods[name], common_flags, args.bandwidth, work, ddp_steps, 3, cache)
+                elif "eager" in name:
+                    result = run_method(name, methods[name], common_flags, args.bandwidth, work,
+                                        eager_warmup + steps - warmup, eager_warmup, cache)
                 else:  # compute_only too: timed over as many steps as the syncing methods
-                    results[name] = run_method(name, flags, common, args, work, steps, args.warmup, cache)
-                print(f"  {name:<26} {results[name]['s_per_step']:.3f} s/step", flush=True)
-            repeats.append(results)
-    results = summarize(repeats)
-    print(f"\nlink {args.bandwidth}, 2 processes x 1 replica, H={H}, P={P}, {steps} steps "
-          f"(timed after step {args.warmup}; eager: after step {max(args.warmup, 2 * H + 1)}; ddp: "
-          f"{results['ddp']['steps'] if 'ddp' in results else '-'} steps timed after step 3), {args.repeats} "
-          f"repeat(s), model flags: {args.model_flags}\n")
-    print("| method | s/step (median) | compute utilization (median) | range over repeats | mean +- sd | bytes per sync |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        sent = "-" if name == "compute_only" else f"{r['bytes_per_sync'] / 1e6:.2f} MB"
-        spread = f"{r['compute_utilization_min']:.2f}-{r['compute_utilization_max']:.2f}"
-        mean = f"{r['compute_utilization_mean']:.3f} +- {r['compute_utilization_sd']:.3f}"
-        print(f"| {name} | {r['s_per_step']:.3f} | {r['compute_utilization']:.2f} | {spread} | {mean} | {sent} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"link": args.bandwidth, "sync_period": H, "num_fragments": P,
-                                         "steps": steps, "warmup": args.warmup, "repeats": args.repeats,
-                                         "model_flags": args.model_flags, "methods": results}, indent=2) + "\n")
+                    result = run_method(name, methods[name], common_flags, args.bandwidth, work, steps, warmup, cache)
+                print(f"  {name:<26} {result['s_per_step']:.3f} s/step ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
+                return result
+
+            repeats.append(paired_repeat(run, rotated(names, repeat)))
+            results = summarize(repeats)
+            if args.json:
+                common.write_json(args.json, header | {"repeats": len(repeats), "methods": results})
+    print(f"\nlink {args.bandwidth}, 2 processes x 1 replica, H={H}, P={P}, {steps} steps (timed after step "
+          f"{warmup}; eager: after step {eager_warmup}; ddp: {ddp_steps} steps timed after step 3), "
+          f"{len(repeats)} paired repeat(s), model flags: {args.model_flags}, revision {header['revision']}\n")
+    print(render_table(results))
     return 0
 
 

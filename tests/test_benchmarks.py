@@ -153,18 +153,35 @@ def test_markdown_table_and_jsonable():
         "x": 1.5, "y": "nan", "p": "a"}
 
 
-def test_overlap_summary_takes_medians_and_ranges_over_repeats():
-    from benchmarks.overlap import summarize
+def test_overlap_pairs_each_method_with_its_neighbouring_compute_only_runs():
+    from benchmarks.overlap import paired_repeat, rotated, summarize
+
+    # compute_only speeds drift: 0.2, 0.3, 0.4 s/step; each method sits between two of them.
+    speeds = iter([0.2, 0.25, 0.3, 0.5, 0.4])
+    names = []
+
+    def run(name):
+        names.append(name)
+        return {"s_per_step": next(speeds), "bytes_per_sync": 0 if name == "compute_only" else 5, "steps": 9,
+                "timed_after_step": 3}
+
+    one = paired_repeat(run, ["eager", "ddp"])
+    assert names == ["compute_only", "eager", "compute_only", "ddp", "compute_only"]
+    assert one["eager"]["compute_only_s_per_step"] == pytest.approx(0.25)
+    assert one["ddp"]["compute_only_s_per_step"] == pytest.approx(0.35)
+    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"] and rotated(["a", "b", "c"], 3) == ["a", "b", "c"]
 
     def repeat(compute, eager):
-        return {name: {"s_per_step": s, "bytes_per_sync": 0 if name == "compute_only" else 5, "steps": 9,
-                       "timed_after_step": 3} for name, s in (("compute_only", compute), ("eager", eager))}
+        return {"eager": {"s_per_step": eager, "compute_only_s_per_step": compute, "bytes_per_sync": 5, "steps": 9,
+                          "timed_after_step": 3}}
 
-    out = summarize([repeat(0.2, 0.25), repeat(0.3, 0.3), repeat(0.2, 0.4)])
-    assert out["eager"]["s_per_step"] == 0.3
-    # Utilization is taken per repeat against that repeat's compute_only: 0.8, 1.0, 0.5.
-    assert out["eager"]["compute_utilization"] == pytest.approx(0.8)
-    assert (out["eager"]["compute_utilization_min"], out["eager"]["compute_utilization_max"]) == pytest.approx((0.5, 1.0))
-    assert out["eager"]["compute_utilization_mean"] == pytest.approx(2.3 / 3)
-    assert out["eager"]["compute_utilization_sd"] == pytest.approx(statistics.stdev([0.8, 1.0, 0.5]))
-    assert out["compute_only"]["compute_utilization"] == 1.0 and out["eager"]["bytes_per_sync"] == 5
+    out = summarize([repeat(0.2, 0.25), repeat(0.3, 0.3), repeat(0.2, 0.4)])["eager"]
+    assert out["s_per_step"] == 0.3
+    # Utilization per repeat against that repeat's paired compute_only: 0.8, 1.0, 0.5.
+    utilization = out["compute_utilization"]
+    assert utilization["values"] == pytest.approx([0.8, 1.0, 0.5])
+    assert utilization["mean"] == pytest.approx(2.3 / 3)
+    sd = statistics.stdev([0.8, 1.0, 0.5])
+    assert utilization["sd"] == pytest.approx(sd)
+    assert utilization["ci95"] == pytest.approx(4.303 * sd / 3 ** 0.5)
+    assert out["bytes_per_sync"] == 5
