@@ -3,6 +3,10 @@
 import dataclasses
 from typing import Literal
 
+Dtype = Literal["auto", "float32", "bfloat16"]
+AttentionImpl = Literal["auto", "xla", "cudnn"]
+Remat = Literal["none", "block", "dots"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -32,10 +36,39 @@ class TransformerConfig:
     """experts each token is routed to (`kind=moe` only; 1 or 2)."""
     aux_loss_weight: float = 0.01
     """weight of the MoE load-balancing loss in the training loss."""
+    dtype: Dtype = "auto"
+    """compute dtype of matmuls and activations: `bfloat16` or `float32`; `auto` = bfloat16 on GPU and TPU, float32 on CPU. Parameters (so optimizer state and DiLoCo's outer state) stay float32 and are cast at use; norm statistics, softmax, the logits' log-softmax and the loss run in float32."""
+    attention: AttentionImpl = "auto"
+    """attention kernel, `jax.nn.dot_product_attention(..., is_causal=True)`: `xla` (any backend), `cudnn` (cuDNN flash attention: NVIDIA GPUs with a bfloat16 compute dtype and a head dim <= 128 and a multiple of 8) or `auto` (cudnn where it can run, xla elsewhere)."""
+    scan_unroll: int = 1
+    """layers applied per iteration of the `jax.lax.scan` over the stacked blocks (0 = all layers: fully unrolled); the stack stays stored stacked either way. 1 keeps compile time flat in depth, the choice on CPU. On a GPU try 0: issue #31 measured, on one H200 in a plain bf16 + cuDNN JAX loop, a fully unrolled scan at 1.37x the tokens/s of the rolled one at 12 layers x 768 (550,836 against 400,004) and 1.17x at 24 x 2048 (60,746 against 52,073); unroll 4 gave nothing."""
+    remat: Remat = "none"
+    """rematerialisation of each block in the backward pass (`jax.checkpoint` around the scanned block): `none` saves every activation (fastest; fine while activations fit), `block` saves only each block's input and recomputes the rest (least memory, about one more forward pass of compute), `dots` saves the matmul outputs and recomputes the elementwise work in between."""
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.num_heads
+
+    def compute_dtype(self):
+        """The resolved compute dtype (a `jnp.dtype`): `auto` asks JAX for its default backend."""
+        import jax
+        import jax.numpy as jnp
+
+        if self.dtype == "auto":
+            return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+        return jnp.dtype(self.dtype)
+
+    def attention_impl(self) -> Literal["xla", "cudnn"]:
+        """The resolved attention kernel; `cudnn` asked for where it cannot run raises `ValueError`
+        (the CLI checks the same rule first, see `attention_rule`)."""
+        import jax
+
+        problem = attention_rule(self, cudnn_backend(jax.devices()[0]), str(self.compute_dtype()))
+        if self.attention == "auto":
+            return "xla" if problem else "cudnn"
+        if self.attention == "cudnn" and problem:
+            raise ValueError(f"attention='cudnn' {problem}")
+        return self.attention
 
     def num_params(self) -> int:
         """Parameters of `Transformer(self)`, from the shapes alone (all float32; equal to the
@@ -49,3 +82,25 @@ class TransformerConfig:
         block = 2 * d + attention + ffn  # two RMSNorm weights
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * block + d + head
+
+
+def cudnn_backend(device) -> bool:
+    """Whether `device` is an NVIDIA GPU (cuDNN present), not a CPU, a TPU or a ROCm GPU."""
+    if device.platform not in ("gpu", "cuda"):
+        return False
+    version = getattr(device.client, "platform_version", "") or ""
+    return "rocm" not in version.lower()
+
+
+def attention_rule(config: TransformerConfig, nvidia_gpu: bool, dtype: str) -> str | None:
+    """Why cuDNN flash attention cannot run this model (a phrase), or None when it can.
+
+    `nvidia_gpu`: the backend is an NVIDIA GPU; `dtype`: the resolved compute dtype's name."""
+    if not nvidia_gpu:
+        return "needs an NVIDIA GPU (cuDNN); use xla or auto elsewhere"
+    if dtype not in ("bfloat16", "float16"):
+        return f"needs a bfloat16 compute dtype (got {dtype}); use xla or auto for float32"
+    head_dim = config.dim // config.num_heads
+    if head_dim > 128 or head_dim % 8:
+        return f"needs a head dim <= 128 and a multiple of 8 (got {head_dim}); use xla or auto"
+    return None

@@ -21,5 +21,9 @@ class RMSNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        scale = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        return x * scale * jnp.broadcast_to(self.weight, x.shape)  # explicit: rank promotion is an error in tests
+        """Normalised `x`, computed in float32 and returned in `x`'s dtype."""
+        xf = x.astype(jnp.float32)
+        scale = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        # broadcast_to is explicit: rank promotion is an error in tests
+        out = xf * scale * jnp.broadcast_to(self.weight.astype(jnp.float32), x.shape)
+        return out.astype(x.dtype)

@@ -74,6 +74,9 @@ class MoE(eqx.Module):
     `expert_usage`, of shape `(num_experts,)`: the fraction of the `seq * top_k` routed
     assignments that went to each expert (sums to 1).
 
+    The experts run in the input's dtype (the float32 weights are cast to it); the router,
+    its softmax and the load-balancing loss run in float32.
+
     `router_fields` names the fields that are router parameters, so that code treating the
     router specially finds its leaves without matching on names.
     """
@@ -121,8 +124,8 @@ class MoE(eqx.Module):
         choice = jax.nn.one_hot(top_idx, self.num_experts, dtype=probs.dtype)
         gates = jnp.einsum("sk,ske->se", weights, choice)
 
-        hidden = jax.nn.gelu(jnp.einsum("sd,edh->seh", x, self.up))
-        expert_out = jnp.einsum("seh,ehd->sed", hidden, self.down)
+        hidden = jax.nn.gelu(jnp.einsum("sd,edh->seh", x, self.up.astype(x.dtype)))
+        expert_out = jnp.einsum("seh,ehd->sed", hidden, self.down.astype(x.dtype))
         y = jnp.einsum("se,sed->sd", gates.astype(expert_out.dtype), expert_out)
 
         usage = jnp.mean(jnp.sum(choice, axis=1), axis=0) / self.top_k

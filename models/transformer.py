@@ -4,10 +4,15 @@ Every array leaf of `Transformer.blocks` has a leading layer axis of size `num_l
 The stack is built with `eqx.filter_vmap` and applied with `jax.lax.scan`, so compile
 time does not grow with depth, and code that needs "layers 3 and 7" (fragments of
 Streaming DiLoCo) slices arrays instead of walking a Python list.
+
+How it runs is set by four `TransformerConfig` fields that do not change the parameters:
+`dtype` (the compute dtype; parameters stay float32 and are cast where they are used),
+`attention` (the `jax.nn.dot_product_attention` kernel), `scan_unroll` (layers per scan
+iteration) and `remat` (what the backward pass saves of each block).
 """
 
 import math
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -40,14 +45,38 @@ def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[Array, Arra
 def apply_rotary(
     x: Float[Array, "seq heads head_dim"], cos: Float[Array, "seq half"], sin: Float[Array, "seq half"]
 ) -> Float[Array, "seq heads head_dim"]:
-    """Rotate channel pairs (i, i + head_dim/2) by position-dependent angles."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
+    """Rotate channel pairs (i, i + head_dim/2) by position-dependent angles (in float32; the
+    result has `x`'s dtype)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def _checkpointed(fn, remat: str):
+    """`fn` wrapped in `jax.checkpoint` for `TransformerConfig.remat` (`none` returns it as is)."""
+    if remat == "none":
+        return fn
+    policies = {
+        "block": jax.checkpoint_policies.nothing_saveable,
+        # Saves the projections' outputs but not the attention's per-head (batched) score matmuls,
+        # whose (T, T) outputs are what fills memory.
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    return jax.checkpoint(fn, policy=policies[remat], prevent_cse=False)
 
 
 class Attention(eqx.Module):
-    """Causal multi-head self-attention with rotary position embeddings."""
+    """Causal multi-head self-attention with rotary position embeddings.
+
+    **Arguments:**
+
+    - `config`: a `TransformerConfig`; uses `dim`, `num_heads` and `num_layers`.
+    - `key`: a JAX PRNG key (keyword-only).
+
+    Calling it with `x` of shape `(seq, dim)` runs in `x`'s dtype (the weights are cast to
+    it); the scores and their softmax are float32 inside `jax.nn.dot_product_attention`,
+    which applies the causal mask without building a float (T, T) mask.
+    """
 
     qkv: Float[Array, "dim three_dim"]
     out: Float[Array, "dim dim"]
@@ -61,21 +90,33 @@ class Attention(eqx.Module):
         self.num_heads = config.num_heads
 
     def __call__(
-        self, x: Float[Array, "seq dim"], cos: Float[Array, "seq half"], sin: Float[Array, "seq half"]
+        self,
+        x: Float[Array, "seq dim"],
+        cos: Float[Array, "seq half"],
+        sin: Float[Array, "seq half"],
+        *,
+        implementation: Literal["xla", "cudnn"] = "xla",
     ) -> Float[Array, "seq dim"]:
+        """`implementation`: the `jax.nn.dot_product_attention` kernel (`cudnn` needs an NVIDIA
+        GPU and a bfloat16 `x`)."""
         seq, dim = x.shape
-        q, k, v = jnp.split(x @ self.qkv, 3, axis=-1)
+        q, k, v = jnp.split(x @ self.qkv.astype(x.dtype), 3, axis=-1)
         q, k, v = (t.reshape(seq, self.num_heads, dim // self.num_heads) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim // self.num_heads)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal[None], scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
-        return jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, dim) @ self.out
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        return out.reshape(seq, dim) @ self.out.astype(x.dtype)
 
 
 class MLP(eqx.Module):
-    """Two-layer GELU feed-forward block. Returns its output and an empty aux dict."""
+    """Two-layer GELU feed-forward block. Returns its output and an empty aux dict.
+
+    **Arguments:**
+
+    - `config`: a `TransformerConfig`; uses `dim`, `mlp_ratio` and `num_layers`.
+    - `key`: a JAX PRNG key (keyword-only).
+
+    Runs in its input's dtype (the float32 weights are cast to it).
+    """
 
     up: Float[Array, "dim hidden"]
     down: Float[Array, "hidden dim"]
@@ -87,7 +128,7 @@ class MLP(eqx.Module):
         self.down = _normal(k2, (hidden, config.dim), 0.02 / math.sqrt(2 * config.num_layers))
 
     def __call__(self, x: Float[Array, "seq dim"]) -> tuple[Float[Array, "seq dim"], dict[str, Array]]:
-        return jax.nn.gelu(x @ self.up) @ self.down, {}
+        return jax.nn.gelu(x @ self.up.astype(x.dtype)) @ self.down.astype(x.dtype), {}
 
 
 def make_ffn(config: TransformerConfig, *, key: PRNGKeyArray) -> "MLP | MoE":
@@ -97,7 +138,13 @@ def make_ffn(config: TransformerConfig, *, key: PRNGKeyArray) -> "MLP | MoE":
 
 
 class Block(eqx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x)).
+
+    **Arguments:**
+
+    - `config`: a `TransformerConfig` (`kind` picks `MLP` or `MoE` as the feed-forward block).
+    - `key`: a JAX PRNG key (keyword-only).
+    """
 
     attn_norm: RMSNorm
     attn: Attention
@@ -120,9 +167,11 @@ class Block(eqx.Module):
         sin: Float[Array, "seq half"],
         *,
         key: PRNGKeyArray | None = None,
+        attention: Literal["xla", "cudnn"] = "xla",
     ) -> tuple[Float[Array, "seq dim"], dict[str, Array]]:
+        """`key`: dropout's key (None: no dropout); `attention`: the attention kernel."""
         k1, k2 = (None, None) if key is None else jax.random.split(key)
-        x = x + _dropout(self.attn(self.attn_norm(x), cos, sin), self.dropout, k1)
+        x = x + _dropout(self.attn(self.attn_norm(x), cos, sin, implementation=attention), self.dropout, k1)
         y, aux = self.ffn(self.ffn_norm(x))
         return x + _dropout(y, self.dropout, k2), aux
 
@@ -137,8 +186,12 @@ class Transformer(eqx.Module):
 
     `blocks` is one `Block` whose array leaves carry a leading layer axis; the class
     attribute `layer_stack` names that field so that fragmenting code slices it without
-    guessing from parameter names. `router_leaves` names, inside a block, the leaves that
-    belong to an MoE router (empty for dense models)."""
+    guessing from parameter names. `router_mask` marks, inside a block, the leaves that
+    belong to an MoE router (none for dense models).
+
+    Parameters are float32 whatever `config.dtype` says: `apply` casts each weight to the
+    compute dtype where it is used, so optimizer state and DiLoCo's outer state stay float32.
+    The logits come out float32 (the head's matmul accumulates into float32)."""
 
     embed: Float[Array, "vocab dim"]
     blocks: Block
@@ -160,21 +213,26 @@ class Transformer(eqx.Module):
     def apply(
         self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
-        """Logits for one sequence, plus per-layer auxiliary outputs stacked on axis 0."""
-        cos, sin = rotary_tables(tokens.shape[0], self.config.head_dim, self.config.rope_base)
-        x = self.embed[tokens]
+        """Float32 logits for one sequence, plus per-layer auxiliary outputs stacked on axis 0.
+
+        `key`: dropout's key (None: no dropout)."""
+        config = self.config
+        dtype, attention = config.compute_dtype(), config.attention_impl()
+        cos, sin = rotary_tables(tokens.shape[0], config.head_dim, config.rope_base)
+        x = self.embed[tokens].astype(dtype)
         params, static = eqx.partition(self.blocks, eqx.is_array)
-        layer_keys = None if key is None else jax.random.split(key, self.config.num_layers)
+        layer_keys = None if key is None else jax.random.split(key, config.num_layers)
 
         def layer(x, inputs):
             block_params, layer_key = inputs
             block = eqx.combine(block_params, static)
-            return block(x, cos, sin, key=layer_key)
+            return block(x, cos, sin, key=layer_key, attention=attention)
 
-        x, aux = jax.lax.scan(layer, x, (params, layer_keys))
+        unroll = config.num_layers if config.scan_unroll == 0 else config.scan_unroll
+        x, aux = jax.lax.scan(_checkpointed(layer, config.remat), x, (params, layer_keys), unroll=unroll)
         x = self.final_norm(x)
         head = self.embed.T if self.head is None else self.head
-        return x @ head, aux
+        return jnp.matmul(x, head.astype(dtype), preferred_element_type=jnp.float32), aux
 
     def __call__(self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None) -> Float[Array, "seq vocab"]:
         """Logits of shape (seq, vocab) for a sequence of token ids of shape (seq,)."""

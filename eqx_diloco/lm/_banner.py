@@ -55,6 +55,25 @@ def algorithm_line(config) -> str:
     return ", ".join(parts)
 
 
+def recommended_lr(dim: int) -> float:
+    """The inner AdamW learning rate recommended for width `dim`: 0.5 / dim, to two digits.
+
+    Adam's stable learning rate falls about as 1/width. The default 3e-3 is 0.38/width at the
+    default width 128; GPT-3's table used 6e-4 at width 768 (0.46/width) and 2e-4 at 2048
+    (0.41/width); issue #31 saw 24 layers x 2048 diverge at the default 3e-3 (6.1/width)."""
+    return float(f"{0.5 / dim:.2g}")
+
+
+def lr_warning(config) -> list[str]:
+    """A setup line when `--train.lr` is above 1/width (twice `recommended_lr`), else nothing."""
+    lr, dim = config.train.lr, config.model.dim
+    if lr <= 1.0 / dim:
+        return []
+    line = (f"  warning      --train.lr {lr:g} is above 1/width ({1.0 / dim:.2g}) at --model.dim {dim}: wide models "
+            f"diverge there (24 layers x 2048 did at 0.003); try --train.lr {recommended_lr(dim):g}")
+    return [line]
+
+
 def setup_lines(config) -> list[str]:
     """What the flags alone say about the run (no JAX needed): algorithm, model size, mesh, data,
     run folder, checkpoints. Printed within a second of starting."""
@@ -85,6 +104,7 @@ def setup_lines(config) -> list[str]:
         f"= {tokens_per_step:,} tokens/step, {t.steps} steps",
         f"  run dir      {config.run_dir} (metrics.jsonl, config.json, TensorBoard events)",
         f"  checkpoints  {checkpoints}",
+        *lr_warning(config),
     ]
 
 

@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING
 import jax
 from jax.sharding import Mesh
 
+from models._config import cudnn_backend
+
 from .._errors import ConfigError
 from .._mesh import build_meshes, ensure_cpu_devices
 from ._layout import devices_needed, process_layout
+from .config import check_backend
 from .launch import record_failure
 
 if TYPE_CHECKING:
@@ -160,7 +163,9 @@ def _reachable(address: str) -> bool:
 
 
 def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
-    """The CLI's meshes: `build_meshes` from the config's flags."""
+    """The CLI's meshes: `build_meshes` from the config's flags (after the flag rules that need the
+    backend: `check_backend`)."""
+    check_backend(config, jax.default_backend(), cudnn_backend(jax.devices()[0]))
     d = config.diloco
     overlapped = config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
     return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off")

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 import tyro
 
 from models import TransformerConfig
+from models._config import attention_rule
 
 from .._arguments import check_arguments
 from .._errors import ConfigError
@@ -239,6 +240,17 @@ def flag_names(message: str) -> str:
     return re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda match: FLAGS[match.group(1)], message)
 
 
+def check_backend(config: Config, backend: str, nvidia_gpu: bool) -> None:
+    """The rules that need JAX's backend (`backend`, e.g. "cpu"; `nvidia_gpu`: it is an NVIDIA GPU):
+    `--model.attention cudnn` where cuDNN flash attention cannot run. One-line `ConfigError`."""
+    m = config.model
+    if m.attention != "cudnn":
+        return
+    dtype = m.dtype if m.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
+    problem = attention_rule(m, nvidia_gpu=nvidia_gpu, dtype=dtype)
+    _require(problem is None, f"--model.attention cudnn {problem} (backend {backend}, --model.dtype {m.dtype})")
+
+
 def validate(config: Config) -> None:
     """Raise `ConfigError` with a one-line message for the first rule `config` breaks."""
     m, d, train, data = config.model, config.diloco, config.train, config.data
@@ -307,6 +319,10 @@ def validate(config: Config) -> None:
         (m.dim // m.num_heads) % 2 == 0,
         f"--model.dim / --model.num-heads must be even for rotary embeddings (got {m.dim // m.num_heads})",
     )
+    _require(m.scan_unroll >= 0, f"--model.scan-unroll must be >= 0 (0 = all layers; got {m.scan_unroll})")
+    if m.attention == "cudnn" and m.dtype != "auto":  # the backend's half of the rule: `check_backend`
+        problem = attention_rule(m, nvidia_gpu=True, dtype=m.dtype)
+        _require(problem is None, f"--model.attention cudnn {problem} (--model.dtype {m.dtype})")
     if m.kind == "moe":
         _require(m.num_experts >= 2, f"--model.num-experts must be >= 2 (got {m.num_experts})")
         _require(m.top_k in (1, 2), f"--model.top-k must be 1 or 2 (got {m.top_k})")
