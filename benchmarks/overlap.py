@@ -35,6 +35,7 @@ keeps the repeats it finished.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -46,8 +47,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/overlap.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import _common as common  # noqa: E402
-from eqx_diloco.lm.launch import LinkLimit  # noqa: E402
+from benchmarks import _common as common
+from eqx_diloco.lm.launch import LinkLimit
 
 
 def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
@@ -93,7 +94,7 @@ def run_method(name: str, flags: list[str], common_flags: list[str], bandwidth: 
     # One persistent compilation cache for all methods and repeats: most share the inner step program.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"error: {name} failed:\n{proc.stderr[-3000:]}")
     metrics = run_dir / "metrics.jsonl"
@@ -197,25 +198,22 @@ def main(argv=None) -> int:
               "revision": common.revision()}
     repeats = []
     with common.TemporaryRunDirs() as tmp:
-        cache = tmp / "jax_cache"
+        cache, run_ids = tmp / "jax_cache", itertools.count()
+
+        def run(name: str) -> dict:
+            start, work = time.perf_counter(), tmp / f"run{next(run_ids):03d}"  # every run its own folder
+            if name == "ddp":
+                result = run_method(name, methods[name], common_flags, args.bandwidth, work, ddp_steps, 3, cache)
+            elif "eager" in name:
+                result = run_method(name, methods[name], common_flags, args.bandwidth, work,
+                                    eager_warmup + steps - warmup, eager_warmup, cache)
+            else:  # compute_only too: timed over as many steps as the syncing methods
+                result = run_method(name, methods[name], common_flags, args.bandwidth, work, steps, warmup, cache)
+            print(f"  {name:<26} {result['s_per_step']:.3f} s/step ({time.perf_counter() - start:.0f} s)", flush=True)
+            return result
+
         for repeat in range(args.repeats):
             print(f"repeat {repeat + 1} of {args.repeats}", flush=True)
-            counter = iter(range(10**6))  # every run of the repeat gets its own folder
-
-            def run(name: str) -> dict:
-                start = time.perf_counter()
-                work = tmp / f"r{repeat}" / f"{next(counter):02d}"
-                if name == "ddp":
-                    result = run_method(name, methods[name], common_flags, args.bandwidth, work, ddp_steps, 3, cache)
-                elif "eager" in name:
-                    result = run_method(name, methods[name], common_flags, args.bandwidth, work,
-                                        eager_warmup + steps - warmup, eager_warmup, cache)
-                else:  # compute_only too: timed over as many steps as the syncing methods
-                    result = run_method(name, methods[name], common_flags, args.bandwidth, work, steps, warmup, cache)
-                print(f"  {name:<26} {result['s_per_step']:.3f} s/step ({time.perf_counter() - start:.0f} s)",
-                      flush=True)
-                return result
-
             repeats.append(paired_repeat(run, rotated(names, repeat)))
             results = summarize(repeats)
             if args.json:

@@ -1,0 +1,1 @@
+"""The harness every benchmark script shares; scripts reach it through `benchmarks._common`."""

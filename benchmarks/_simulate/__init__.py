@@ -1,0 +1,1 @@
+"""Parts of `python -m benchmarks.simulate`, the compute-utilization simulator (see its docstring)."""
