@@ -90,6 +90,7 @@ def test_unknown_data_source_is_rejected_by_the_parser(tmp_path, capsys):
     assert exit_info.value.code == 2
 
 
+@pytest.mark.slow
 def test_text_folder_trains_and_writes_metrics_and_config(tmp_path):
     folder = tmp_path / "texts"
     folder.mkdir()

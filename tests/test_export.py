@@ -15,6 +15,8 @@ from eqx_diloco.lm.sample import decode, generate, main as sample_main
 from models import Transformer
 from models.transformer import lm_loss
 
+pytestmark = pytest.mark.slow  # every test first trains a run through the trainer
+
 
 @eqx.filter_jit
 def eval_loss(model, tokens):

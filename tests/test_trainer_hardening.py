@@ -124,6 +124,7 @@ def test_the_run_stops_when_the_global_model_goes_non_finite(tmp_path, capsys, m
     assert max(r["step"] for r in _strict_json_lines(run / "metrics.jsonl")) <= 5  # stopped at once
 
 
+@pytest.mark.slow
 def test_skip_stops_when_every_replica_is_skipped_and_metrics_stay_json(tmp_path, capsys, monkeypatch):
     _poison(monkeypatch, at_step=2, what="params")  # every replica NaN from step 3 on
     run = tmp_path / "run"
