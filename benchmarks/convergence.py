@@ -50,130 +50,15 @@ import pathlib
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __package__ in (None, ""):  # `python benchmarks/convergence.py`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks import _common as common  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class Scale:
-    """Model and budget shared by all runs of one mode."""
-
-    num_layers: int
-    dim: int
-    num_heads: int
-    mlp_ratio: int
-    seq_len: int
-    batch_size: int  # per replica at R = 2 (halved at R = 4)
-    steps: int
-    lr: float
-    warmup_steps: int
-    eval_every: int
-    eval_sequences: int
-    sync_periods: tuple[int, int]  # (small H, large H); streaming uses the large one
-    overlaps: tuple[int, ...]
-    max_corpus_bytes: int = 8_000_000
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-
-
-SCALES = {
-    "smoke": Scale(num_layers=2, dim=16, num_heads=2, mlp_ratio=2, seq_len=16, batch_size=2, steps=6, lr=1e-2,
-                   warmup_steps=1, eval_every=3, eval_sequences=4, sync_periods=(2, 6), overlaps=(0, 1),
-                   max_corpus_bytes=200_000),
-    "quick": Scale(num_layers=4, dim=64, num_heads=4, mlp_ratio=4, seq_len=64, batch_size=8, steps=500, lr=3e-3,
-                   warmup_steps=25, eval_every=25, eval_sequences=128, sync_periods=(10, 50), overlaps=(0, 1, 4)),
-    "full": Scale(num_layers=4, dim=128, num_heads=4, mlp_ratio=4, seq_len=128, batch_size=8, steps=1000, lr=3e-3,
-                  warmup_steps=50, eval_every=50, eval_sequences=256, sync_periods=(10, 50), overlaps=(0, 1, 4)),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """One training run of the comparison."""
-
-    method: str  # "ddp", "diloco" or "streaming"
-    replicas: int
-    batch_size: int
-    sync_period: int = 1
-    fragments: int = 1
-    overlap: int = 0
-    alpha: float = 0.0
-    quantize: str = "none"
-    error_feedback: bool = False
-    outer_overlap: str = "none"  # "delayed" / "eager": whole-round overlap (arXiv 2502.12996)
-
-    @property
-    def name(self) -> str:
-        parts = [self.method, f"R{self.replicas}"]
-        if self.method != "ddp":
-            parts.append(f"H{self.sync_period}")
-        if self.outer_overlap != "none":
-            parts.append(self.outer_overlap)
-        if self.method == "streaming":
-            parts += [f"P{self.fragments}", f"tau{self.overlap}", f"a{self.alpha:g}"]
-        if self.quantize != "none":
-            parts.append(self.quantize + ("+ef" if self.error_feedback else ""))
-        return " ".join(parts)
-
-
-def suite(scale: Scale, grid: str) -> list[RunSpec]:
-    """The runs of one mode. `grid`: "smoke", "quick" (a subset of streaming) or "full"."""
-    L = scale.num_layers
-    small_h, big_h = scale.sync_periods
-    b2, b4 = scale.batch_size, max(1, scale.batch_size // 2)
-    stream = lambda R, b, P, tau, alpha=0.0, q="none": RunSpec(  # noqa: E731
-        "streaming", R, b, big_h, P, tau, alpha, q
-    )
-    if grid == "smoke":
-        return [RunSpec("ddp", 2, b2), stream(2, b2, 2, 0, 0.0, "int4")]
-    runs = [RunSpec("ddp", 2, b2), RunSpec("diloco", 2, b2, small_h), RunSpec("diloco", 2, b2, big_h)]
-    # The whole outer step overlapped with the next round: the naive and the eager variant.
-    runs += [RunSpec("diloco", 2, b2, small_h, outer_overlap=mode) for mode in ("delayed", "eager")]
-    runs += [RunSpec("diloco", 2, b2, big_h, outer_overlap="eager")]
-    if grid == "full":
-        for P in (2, L + 1):
-            for tau in scale.overlaps:
-                for alpha in (0.0, 0.5):
-                    runs.append(stream(2, b2, P, tau, alpha))
-            runs.append(stream(2, b2, P, 1, 0.0, "int4"))
-    else:  # quick: both P without overlap, then tau and alpha at P = L + 1, then int4
-        runs += [stream(2, b2, 2, 0), stream(2, b2, L + 1, 0)]
-        runs += [stream(2, b2, L + 1, tau) for tau in scale.overlaps if tau > 0]
-        runs += [stream(2, b2, L + 1, 1, 0.5), stream(2, b2, L + 1, 1, 0.0, "int4")]
-    runs += [RunSpec("ddp", 4, b4), RunSpec("diloco", 4, b4, small_h), RunSpec("diloco", 4, b4, big_h)]
-    runs.append(stream(4, b4, L + 1, 1, 0.0, "int4"))
-    return runs
-
-
-def make_config(spec: RunSpec, scale: Scale, run_dir: pathlib.Path, seed: int):
-    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
-    from models import TransformerConfig
-
-    model = TransformerConfig(num_layers=scale.num_layers, dim=scale.dim, num_heads=scale.num_heads,
-                              mlp_ratio=scale.mlp_ratio)
-    train = TrainConfig(steps=scale.steps, batch_size=spec.batch_size, seq_len=scale.seq_len, lr=scale.lr,
-                        warmup_steps=scale.warmup_steps, seed=seed, log_every=1, eval_every=scale.eval_every,
-                        eval_sequences=scale.eval_sequences,
-                        final_sync=False)  # every method is evaluated at its last scheduled sync
-    if spec.method == "ddp":
-        diloco = DiLoCoConfig(num_replicas=spec.replicas)
-    else:
-        diloco = DiLoCoConfig(num_replicas=spec.replicas, sync_period=spec.sync_period, num_fragments=spec.fragments,
-                              overlap_steps=spec.overlap, alpha=spec.alpha, quantize=spec.quantize,
-                              error_feedback=spec.error_feedback, outer_lr=scale.outer_lr,
-                              outer_momentum=scale.outer_momentum, outer_overlap=spec.outer_overlap)
-    return Config(algorithm="ddp" if spec.method == "ddp" else "diloco", run_dir=run_dir, model=model, diloco=diloco,
-                  train=train, data=DataConfig(source="corpus", max_corpus_bytes=scale.max_corpus_bytes),
-                  checkpoint=CheckpointConfig(every=0))
-
-
-def devices_for(specs: Sequence[RunSpec]) -> int:
-    """Replicas, plus one communication device per replica for overlapped syncs."""
-    return max(s.replicas * (2 if s.overlap > 0 or s.outer_overlap != "none" else 1) for s in specs)
+from benchmarks import _common as common
+from benchmarks._convergence.report import add_relative, plot, report
+from benchmarks._convergence.suite import SCALES, RunSpec, Scale, devices_for, make_config, suite
 
 
 def run_suite(specs: Sequence[RunSpec], scale: Scale, *, seeds: Sequence[int] = (0,),
@@ -193,80 +78,10 @@ def run_suite(specs: Sequence[RunSpec], scale: Scale, *, seeds: Sequence[int] = 
         log(f"[{i + 1}/{len(specs)}] {spec.name:<40} eval_loss {row['eval_loss']:.4f}  "
             f"sent {common.fmt_bytes(row['sent_bytes']):>10}  "
             f"peak/step {common.fmt_bytes(row['peak_sync_bytes']):>10}  {row['elapsed_s']:.1f}s")
-    _add_relative(rows)
+    add_relative(rows)
     return rows
 
 
-def _add_relative(rows: list[dict[str, Any]]) -> None:
-    """Loss, bytes and peak relative to the DDP run with the same R (and the R = 2 DDP run)."""
-    ddp = {r["replicas"]: r for r in rows if r["method"] == "ddp"}
-    ref2 = ddp.get(2)
-    for r in rows:
-        base = ddp.get(r["replicas"], ref2)
-        if base is None:
-            continue
-        r["loss_vs_ddp_pct"] = 100.0 * (r["eval_loss"] - base["eval_loss"]) / base["eval_loss"]
-        r["bytes_vs_ddp"] = r["sent_bytes"] / base["sent_bytes"] if base["sent_bytes"] else None
-        r["peak_vs_ddp"] = r["peak_sync_bytes"] / base["peak_sync_bytes"] if base["peak_sync_bytes"] else None
-        if ref2 is not None:
-            r["loss_vs_ddp_r2_pct"] = 100.0 * (r["eval_loss"] - ref2["eval_loss"]) / ref2["eval_loss"]
-
-
-COLUMNS = [
-    ("run", "name", None),
-    ("R", "replicas", None),
-    ("batch/replica", "batch_size", None),
-    ("eval loss", "eval_loss", lambda v: f"{v:.4f}"),
-    ("vs DDP (same R)", "loss_vs_ddp_pct", lambda v: f"{v:+.2f}%"),
-    ("bytes sent / replica", "sent_bytes", common.fmt_bytes),
-    ("bytes vs DDP", "bytes_vs_ddp", lambda v: f"{v:.4f}x" if v < 0.1 else f"{v:.3f}x"),
-    ("peak bytes / step", "peak_sync_bytes", common.fmt_bytes),
-    ("peak vs DDP", "peak_vs_ddp", lambda v: f"{v:.3f}x"),
-    ("time", "elapsed_s", lambda v: f"{v:.0f}s"),
-]
-
-
-def report(rows: list[dict[str, Any]], scale: Scale, mode: str, seeds: Sequence[int]) -> str:
-    L = scale.num_layers
-    tokens = rows[0]["tokens"] if rows else 0
-    lines = [
-        f"# Convergence at a fixed token budget ({mode})",
-        "",
-        f"Model: {L} layers, dim {scale.dim}, {scale.num_heads} heads, byte vocab 256; seq {scale.seq_len}; "
-        f"{scale.steps} steps; inner AdamW lr {scale.lr:g} (warm-up {scale.warmup_steps}, cosine to 10%); "
-        f"outer SGD lr {scale.outer_lr:g}, Nesterov momentum {scale.outer_momentum:g}. "
-        "Data: embedded corpus (stdlib sources, bytes). "
-        f"Seeds: {', '.join(map(str, seeds))}.",
-        "",
-        f"Every run consumes R x batch x steps x seq = {tokens:,} tokens: R = 2 runs use batch "
-        f"{scale.batch_size} per replica, R = 4 runs batch {max(1, scale.batch_size // 2)}. "
-        f"Streaming runs use H = {scale.sync_periods[1]} (P = 2 or P = L + 1 = {L + 1}, so H / P is an integer "
-        f"and tau < H / P holds for every tau tried).",
-        "",
-        "Eval loss: the global model (DDP: the shared params) on the same held-out windows, nats per byte. "
-        "Bytes: what one replica sends (float32 unless quantized; payload and scales), DDP = one full gradient "
-        "per step. Peak: the most bytes one replica sends at a single step.",
-        "",
-        common.markdown_table(rows, COLUMNS),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], out_dir: pathlib.Path, prefix: str = "convergence") -> list[pathlib.Path]:
-    """Two PNGs (loss vs step, loss vs bytes), one panel per replica count."""
-    panels = []
-    for R in sorted({r["replicas"] for r in rows}):
-        group = [r for r in rows if r["replicas"] == R]
-        title = f"R = {R}, batch {group[0]['batch_size']} per replica"
-        panels.append((title, [(r["name"], r["curve"]) for r in group]))
-    by_step = common.plot_curves(panels, "step", out_dir / f"{prefix}_loss_vs_step.png",
-                                 title="Eval loss vs inner step (same tokens per step for every run)",
-                                 xlabel="inner step")
-    by_bytes = common.plot_curves(panels, "sent_bytes", out_dir / f"{prefix}_loss_vs_bytes.png",
-                                  title="Eval loss vs bytes sent by one replica", xlabel="bytes sent (log scale)",
-                                  log_x=True)
-    return [by_step, by_bytes]
 
 
 def run(mode: str = "quick", *, seeds: Sequence[int] = (0,), only: str | Sequence[str] | None = None,

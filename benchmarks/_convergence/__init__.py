@@ -1,0 +1,1 @@
+"""Parts of `python -m benchmarks.convergence` (see its docstring)."""
