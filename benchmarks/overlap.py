@@ -31,7 +31,7 @@ method, the mean over repeats with the half-width of its 95% t-interval. Needs r
 keeps the repeats it finished.
 
     python -m benchmarks.overlap --quick --repeats 8 --only ddp diloco streaming_overlap_tau3 eager \\
-        --json benchmarks/results/overlap_paired.json
+        --json benchmarks/results/overlap.json
 """
 
 import argparse

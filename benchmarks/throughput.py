@@ -55,6 +55,7 @@ if __package__ in (None, ""):
 
 from benchmarks import _common as common
 from benchmarks._throughput.compile_time import measure_compile
+from benchmarks._throughput.plain_loop import scan_loss, unrolled_loss  # noqa: F401  (the tests compare them)
 from benchmarks._throughput.report import report
 from benchmarks._throughput.settings import SMOKE, Settings, model_config, model_flops
 from benchmarks._throughput.speed import measure_matmul_peak, measure_throughput
