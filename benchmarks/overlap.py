@@ -27,8 +27,13 @@ from repeat to repeat; a method's utilization in that repeat is the mean s/step 
 two compute_only runs on either side of it divided by its own s/step. The machine's speed
 drifts over minutes, so only runs next to each other are compared. The table gives, per
 method, the mean over repeats with the half-width of its 95% t-interval. Needs root
-(network namespaces). The JSON is rewritten after every repeat, so an interrupted run
-keeps the repeats it finished.
+(network namespaces).
+
+The JSON (`--json`) is rewritten after every repeat, so an interrupted run keeps the
+repeats it finished. Per method it holds `compute_utilization` as `{n, mean, sd, ci95,
+values}` (`values`: one paired ratio per repeat), the median `s_per_step`, and per repeat
+`s_per_step_repeats` and `compute_only_s_per_step_repeats` (the mean of the two
+neighbouring compute_only runs); `revision` is the code's git commit.
 
     python -m benchmarks.overlap --quick --repeats 8 --only ddp diloco streaming_overlap_tau3 eager \\
         --json benchmarks/results/overlap.json
@@ -159,7 +164,7 @@ def render_table(results: dict[str, dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps (about 30 s per run)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (about a minute per run)")
     parser.add_argument("--repeats", type=int, default=1, help="paired repeats of every method")
     parser.add_argument("--bandwidth", default="60mbit", help="link rate in tc units")
     parser.add_argument("--sync-period", type=int, default=16, help="H")
