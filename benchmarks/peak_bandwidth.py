@@ -119,17 +119,6 @@ def train_one(name: str, extra: Sequence[str], mode_flags: Sequence[str], work: 
     return record
 
 
-def revision() -> str | None:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10,
-                             check=False)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else None
-
-
 def machine() -> dict[str, Any]:
     try:
         jax_version = version("jax")
@@ -164,7 +153,7 @@ def build_result(records: Sequence[dict[str, Any]], mode: str, steps: int, seeds
             row["peak_vs_reference"] = row["peak_sync_bytes"] / ref["peak_sync_bytes"]
         by_seed = lambda name: {r["seed"]: r["eval_loss"] for r in records if r["name"] == name}
         row["loss_gap_vs_reference_pct"] = common.paired_gap(by_seed(row["name"]), by_seed(ref["name"]))
-    return {"benchmark": NAME, "mode": mode, "command": command, "revision": revision(), "steps": steps,
+    return {"benchmark": NAME, "mode": mode, "command": command, "revision": common.revision(), "steps": steps,
             "seeds": list(seeds), "machine": machine(), "rows": rows,
             "records": sorted(records, key=lambda r: (r["name"], r["seed"])),
             "total_run_s": sum(r["elapsed_s"] for r in records)}
