@@ -65,6 +65,26 @@ def _checkpointed(fn, remat: str):
     return jax.checkpoint(fn, policy=policies[remat], prevent_cse=False)
 
 
+@jax.custom_vjp
+def _logits(x: Float[Array, "seq dim"], head: Float[Array, "dim vocab"]) -> Float[Array, "seq vocab"]:
+    """`x @ head` accumulated into float32 logits; the backward pass casts the logits' cotangent back to
+    the compute dtype, so the head's two gradient matmuls run there too (not in float32)."""
+    return jnp.matmul(x, head, preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(x, head):
+    return _logits(x, head), (x, head)
+
+
+def _logits_bwd(residuals, g):
+    x, head = residuals
+    g = g.astype(x.dtype)
+    return g @ head.T, x.T @ g
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
+
+
 class Attention(eqx.Module):
     """Causal multi-head self-attention with rotary position embeddings.
 
@@ -232,7 +252,7 @@ class Transformer(eqx.Module):
         x, aux = jax.lax.scan(_checkpointed(layer, config.remat), x, (params, layer_keys), unroll=unroll)
         x = self.final_norm(x)
         head = self.embed.T if self.head is None else self.head
-        return jnp.matmul(x, head.astype(dtype), preferred_element_type=jnp.float32), aux
+        return _logits(x, head.astype(dtype)), aux
 
     def __call__(self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None) -> Float[Array, "seq vocab"]:
         """Logits of shape (seq, vocab) for a sequence of token ids of shape (seq,)."""
