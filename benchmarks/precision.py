@@ -5,7 +5,7 @@ Runs the CLI's trainer in-process (DiLoCo, the CLI's defaults otherwise) on a sm
 of every run, mean +- sd per dtype and the relative gap per seed (acceptance: within 2%) to
 `benchmarks/results/precision.json` with the git revision and the machine.
 
-    python -m benchmarks.precision                 # 3 seeds x 2 dtypes, 300 steps (about 15 min on 2 CPU cores)
+    python -m benchmarks.precision                 # 3 seeds x 2 dtypes, 200 steps (minutes on 2 CPU cores)
     python -m benchmarks.precision --steps 20 --seeds 1 --out /tmp/p.json   # a quick look
 
 On CPU, XLA runs bfloat16 matmuls slower than float32 ones (no native bf16 units), so this measures
@@ -57,7 +57,7 @@ def mean_sd(values: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR / "precision.json")
     args = parser.parse_args(argv)

@@ -65,26 +65,6 @@ def _checkpointed(fn, remat: str):
     return jax.checkpoint(fn, policy=policies[remat], prevent_cse=False)
 
 
-@jax.custom_vjp
-def _logits(x: Float[Array, "seq dim"], head: Float[Array, "dim vocab"]) -> Float[Array, "seq vocab"]:
-    """`x @ head` accumulated into float32 logits; the backward pass casts the logits' cotangent back to
-    the compute dtype, so the head's two gradient matmuls run there too (not in float32)."""
-    return jnp.matmul(x, head, preferred_element_type=jnp.float32)
-
-
-def _logits_fwd(x, head):
-    return _logits(x, head), (x, head)
-
-
-def _logits_bwd(residuals, g):
-    x, head = residuals
-    g = g.astype(x.dtype)
-    return g @ head.T, x.T @ g
-
-
-_logits.defvjp(_logits_fwd, _logits_bwd)
-
-
 class Attention(eqx.Module):
     """Causal multi-head self-attention with rotary position embeddings.
 
@@ -211,7 +191,8 @@ class Transformer(eqx.Module):
 
     Parameters are float32 whatever `config.dtype` says: `apply` casts each weight to the
     compute dtype where it is used, so optimizer state and DiLoCo's outer state stay float32.
-    The logits come out float32 (the head's matmul accumulates into float32)."""
+    The logits come out float32 (computed in the compute dtype, as PyTorch's autocast and MaxText
+    do, then cast up for the log-softmax and the loss)."""
 
     embed: Float[Array, "vocab dim"]
     blocks: Block
@@ -252,7 +233,8 @@ class Transformer(eqx.Module):
         x, aux = jax.lax.scan(_checkpointed(layer, config.remat), x, (params, layer_keys), unroll=unroll)
         x = self.final_norm(x)
         head = self.embed.T if self.head is None else self.head
-        return _logits(x, head.astype(dtype)), aux
+        # Logits in the compute dtype (their gradient matmuls too), cast up to float32 for the log-softmax.
+        return (x @ head.astype(dtype)).astype(jnp.float32), aux
 
     def __call__(self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None) -> Float[Array, "seq vocab"]:
         """Logits of shape (seq, vocab) for a sequence of token ids of shape (seq,)."""
