@@ -180,3 +180,40 @@ def test_the_core_keeps_float32_outer_state_for_a_model_with_bfloat16_parameters
         state, _ = diloco.step(state, (x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)))
     floats = [x.dtype for x in jax.tree.leaves((state.global_params, state.outer_states)) if eqx.is_inexact_array(x)]
     assert floats and set(floats) == {jnp.dtype(jnp.float32)}, set(floats)
+
+
+def test_cli_refuses_cudnn_where_it_cannot_run_with_one_line_naming_the_flag():
+    from eqx_diloco.lm._devices import make_meshes
+    from eqx_diloco.lm.config import Config, ConfigError, check_backend, validate
+
+    def config(**model):
+        return Config(model=TransformerConfig(**model))
+
+    with pytest.raises(ConfigError, match=r"^--model\.attention cudnn needs a bfloat16 compute dtype") as e:
+        validate(config(attention="cudnn", dtype="float32"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"--model\.attention cudnn needs a head dim <= 128"):
+        validate(config(attention="cudnn", dtype="bfloat16", dim=1024, num_heads=4))
+    validate(config(attention="cudnn", dtype="bfloat16"))  # the backend's half waits for JAX
+    with pytest.raises(ConfigError, match=r"^--model\.attention cudnn needs an NVIDIA GPU.*backend cpu"):
+        check_backend(config(attention="cudnn", dtype="bfloat16"), "cpu", nvidia_gpu=False)
+    check_backend(config(attention="cudnn", dtype="auto"), "gpu", nvidia_gpu=True)  # auto = bfloat16 there
+    with pytest.raises(ConfigError, match=r"float32"):
+        check_backend(config(attention="cudnn", dtype="auto"), "cpu", nvidia_gpu=True)
+    with pytest.raises(ConfigError, match=r"^--model\.attention cudnn needs an NVIDIA GPU"):
+        make_meshes(config(attention="cudnn"))  # where the trainer meets the backend, before any state
+    with pytest.raises(ConfigError, match=r"^--model\.scan-unroll must be >= 0"):
+        validate(config(scan_unroll=-1))
+
+
+def test_setup_lines_warn_when_the_learning_rate_is_above_one_over_width():
+    from eqx_diloco.lm._banner import recommended_lr, setup_lines
+    from eqx_diloco.lm.config import Config, TrainConfig
+
+    shape_b = TransformerConfig(num_layers=24, dim=2048, num_heads=16, vocab_size=32768)
+    warning = [line for line in setup_lines(Config(model=shape_b)) if "warning" in line]
+    assert len(warning) == 1 and "--train.lr 0.003" in warning[0] and "try --train.lr 0.00024" in warning[0]
+    assert recommended_lr(2048) == 0.00024 and recommended_lr(768) == 0.00065
+    assert not [line for line in setup_lines(Config()) if "warning" in line]  # the defaults: width 128, lr 3e-3
+    quiet = Config(model=shape_b, train=TrainConfig(lr=recommended_lr(2048)))
+    assert not [line for line in setup_lines(quiet) if "warning" in line]
