@@ -217,3 +217,18 @@ def test_setup_lines_warn_when_the_learning_rate_is_above_one_over_width():
     assert not [line for line in setup_lines(Config()) if "warning" in line]  # the defaults: width 128, lr 3e-3
     quiet = Config(model=shape_b, train=TrainConfig(lr=recommended_lr(2048)))
     assert not [line for line in setup_lines(quiet) if "warning" in line]
+
+
+def test_resume_may_change_how_the_model_runs_but_not_its_shape():
+    from eqx_diloco.lm.config import Config
+    from eqx_diloco.lm.resume import incompatibility
+    from eqx_diloco._json import to_jsonable
+
+    saved = to_jsonable(Config())
+    for field, value in [("dtype", "bfloat16"), ("attention", "xla"), ("scan_unroll", 0), ("remat", "block")]:
+        assert incompatibility(saved, Config(model=TransformerConfig(**{field: value}))) is None
+    assert "--model.dim 128 -> 64" in incompatibility(saved, Config(model=TransformerConfig(dim=64)))
+    old = to_jsonable(Config())
+    for field in ("dtype", "attention", "scan_unroll", "remat"):  # a checkpoint written before these fields
+        del old["model"][field]
+    assert incompatibility(old, Config(model=TransformerConfig(remat="block"))) is None

@@ -33,9 +33,16 @@ _STATE_DEFINING = {
 }
 
 
+# Model fields that say how the model runs, not what its parameters are: free to change on resume
+# (a run may go on in bfloat16, with remat or unrolled, from a float32 checkpoint).
+_RUN_ONLY_MODEL = ("dtype", "attention", "scan_unroll", "remat")
+
+
 def _lookup(tree: dict, dotted: str) -> Any:
     for part in dotted.split("."):
         tree = tree[part]
+    if dotted == "model" and isinstance(tree, dict):
+        return {k: v for k, v in tree.items() if k not in _RUN_ONLY_MODEL}
     return tree
 
 
