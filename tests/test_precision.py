@@ -220,9 +220,9 @@ def test_setup_lines_warn_when_the_learning_rate_is_above_one_over_width():
 
 
 def test_resume_may_change_how_the_model_runs_but_not_its_shape():
+    from eqx_diloco._json import to_jsonable
     from eqx_diloco.lm.config import Config
     from eqx_diloco.lm.resume import incompatibility
-    from eqx_diloco._json import to_jsonable
 
     saved = to_jsonable(Config())
     for field, value in [("dtype", "bfloat16"), ("attention", "xla"), ("scan_unroll", 0), ("remat", "block")]:
