@@ -16,7 +16,7 @@ import tyro
 
 from eqx_diloco.lm._banner import format_summary, setup_lines
 from eqx_diloco.lm._devices import drop_gloo_noise, forward_without_gloo_lines
-from eqx_diloco.lm._elastic_launch import Generation, generations_summary
+from eqx_diloco.lm.elastic import Generation, generations_summary
 from eqx_diloco.lm.config import Config
 from eqx_diloco.lm.export import main as export_main
 from eqx_diloco.lm.launch import GENERATION_ENV, LINK_LIMIT_ENV

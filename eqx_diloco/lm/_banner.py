@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ._layout import wants_comm_device
+from ._processes import GENERATION_ENV, LINK_LIMIT_ENV
 from .config import token_file_vocab
-from .launch import GENERATION_ENV, LINK_LIMIT_ENV
 
 
 def _count(n: float) -> str:
@@ -203,7 +203,7 @@ def format_summary(summary: dict[str, Any], config) -> str:
 
 
 def _elastic_generation(config) -> int:
-    """Which generation of an elastic run this process belongs to (0 outside one; see `_elastic_launch`)."""
+    """Which generation of an elastic run this process belongs to (0 outside one; see `elastic`)."""
     value = os.environ.get(GENERATION_ENV, "")
     return int(value) if config.elastic.enabled and value.isdigit() else 0
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from .._json import to_jsonable
-from .launch import record_failure
+from ._processes import record_failure
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -33,6 +33,18 @@ def set_aside_earlier_run(run_dir: Path) -> list[Path]:
             path.rename(run_dir / f"{name}.{n}")
             moved.append(run_dir / f"{name}.{n}")
     return moved
+
+
+def prepare_run_dir(config, *, fresh: bool, checkpoint_dir: Path, show: bool) -> None:
+    """Create `config.run_dir` and write its config.json (process 0 only). A `fresh` start in a
+    folder holding another run (its checkpoints elsewhere or deleted) keeps that run's metrics and
+    config beside the new ones, and says so if `show` (`checkpoint_dir` is where it looked)."""
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    kept = set_aside_earlier_run(config.run_dir) if fresh else []
+    if kept and show:
+        print(f"{config.run_dir} held an earlier run but no checkpoint to resume in {checkpoint_dir}: starting "
+              f"from step 0; its files were kept as {', '.join(p.name for p in kept)}", flush=True)
+    write_config(config.run_dir, config)
 
 
 class LogWriteError(RuntimeError):

@@ -18,8 +18,8 @@ import tyro
 
 from ._layout import check_dist, devices_needed, process_layout
 from ._preflight import RunDirLock, check_memory, check_writable
+from ._processes import record_failure
 from .config import Config, ConfigError, validate
-from .launch import record_failure
 
 # Nothing above imports JAX: the flags are checked and the setup is printed within a second of
 # starting; JAX (seconds to import) comes after.

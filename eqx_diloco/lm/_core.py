@@ -1,0 +1,94 @@
+"""The `DiLoCo` core the CLI's config describes, and what the trainer applies to it: the LM
+objective, the evaluation loss, placing host batches on the mesh, and counting the syncs' bytes."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from models import Transformer
+from models.transformer import lm_loss
+
+from .._diloco import DiLoCo
+from .._state import TrainState
+from ._devices import make_meshes
+from .config import Config, ConfigError, flag_names
+from .optimizers import inner_optimizer, outer_optimizer
+
+
+def global_model(state: TrainState) -> Transformer:
+    """The model to evaluate: theta_g for DiLoCo, replica 0 for ddp (all replicas are equal)."""
+    if state.global_params is not None:
+        return state.global_params
+    return jax.tree.map(lambda x: x[0], state.params)
+
+
+@eqx.filter_jit
+def eval_loss(model: Transformer, tokens) -> jax.Array:
+    """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses)."""
+    return lm_loss(model, tokens)[1]["ce"]
+
+
+def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process computed in full (each keeps its shards)."""
+    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+
+
+def lm_objective(dropout: float):
+    """The LM's `loss_fn(model, tokens, key)` for `DiLoCo`: next-token loss (+ MoE aux loss)."""
+
+    def loss_fn(model: Transformer, tokens, key):
+        return lm_loss(model, tokens, key=key if dropout > 0 else None)
+
+    return loss_fn
+
+
+def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
+    """The core `DiLoCo` object the CLI config describes, set up for `abstract_model`'s shape."""
+    d, t = config.diloco, config.train
+    try:  # the core's errors name its arguments; say this CLI's flags
+        mesh, comm_mesh = make_meshes(config)
+        diloco = config.algorithm == "diloco"
+        core = DiLoCo(
+            loss_fn=lm_objective(config.model.dropout),
+            layers=lambda m: m.blocks,
+            num_replicas=d.num_replicas,
+            sync_period=d.sync_period,
+            inner_optimizer=inner_optimizer(t, abstract_model.weight_decay_mask()),
+            outer_optimizer=outer_optimizer(d),
+            num_fragments=d.num_fragments if diloco else 1,
+            fragment_pattern=d.fragment_pattern,
+            overlap_steps=d.overlap_steps if diloco else 0,
+            alpha=d.alpha if diloco else 0.0,
+            quantize=d.quantize if diloco else "none",
+            error_feedback=d.error_feedback and diloco,
+            exchange=d.exchange if diloco else "auto",
+            outer_overlap=d.outer_overlap if diloco else "none",
+            routers=lambda m: m.router_mask(),
+            router_sync_period=d.router_sync_period if diloco else 0,
+            on_nonfinite=t.on_nonfinite,
+            algorithm=config.algorithm,
+            mesh=mesh,
+            comm_mesh=comm_mesh,
+        )
+        core.abstract(abstract_model)
+    except ConfigError as e:
+        raise ConfigError(flag_names(str(e))) from None
+    return core
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Bytes the syncs sent so far: `sent` as the core counts them, `wire` as they travel, and `peak`
+    the most in one step."""
+
+    sent: int = 0
+    wire: int = 0
+    peak: int = 0
+
+    def add_step(self, core: DiLoCo, t: int) -> None:
+        """Count the syncs of step `t`."""
+        sent = core.sent_bytes_at(t)
+        self.sent, self.wire, self.peak = self.sent + sent, self.wire + core.wire_bytes_at(t), max(self.peak, sent)

@@ -1,0 +1,190 @@
+"""The trainer's reporting: step t's values are published (read on this process, their exchange
+with the other processes started), then emitted in order (checked, written to metrics.jsonl and
+TensorBoard, shown on the terminal).
+
+Across processes the exchange of step t's values runs in the background and is read
+`--dist.metrics-lag` steps later, so its round trips over a slow link do not delay every step."""
+
+import collections
+import dataclasses
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from models.moe import usage_entropy
+
+from .._errors import NonFiniteError
+from .._replica_values import ReplicaGather, replicated_value
+from ._finite import FiniteChecks
+from ._signals import StopSignals
+from .config import Config
+from .elastic import write_progress
+from .metrics import LogWriteError, ProgressDisplay
+
+
+@dataclasses.dataclass
+class Reporter:
+    """Publishes and emits the values of every step of one run.
+
+    - `config`: the run's configuration (`--train.log-every`, `--train.steps`, replica count).
+    - `logs`: where records go (metrics.jsonl, TensorBoard); each has `write(record)`.
+    - `display`: the terminal's progress display.
+    - `gather`: the exchange of per-replica values across processes.
+    - `lag`: steps the exchange may trail the loop (0 for a single process).
+    - `signals`: the run's signals, published with every step and agreed on when it is emitted.
+    - `checks`: the non-finite checks.
+    - `mesh`: the replicas' mesh (for the signal rows).
+    - `lr_schedule`: the inner learning rate per step, for the records.
+    - `tokens_per_step`: tokens all replicas train per step, for the throughput.
+    - `start_time`: when the run started (`time.perf_counter()`).
+    - `start_step`: the step it starts from.
+    - `progress_dir`: an elastic island's folder, where every emitted step is recorded; None otherwise.
+    - `elastic_events`: the losses and rejoins that led to this run, logged with its first step.
+    """
+
+    config: Config
+    logs: tuple
+    display: ProgressDisplay
+    gather: ReplicaGather
+    lag: int
+    signals: StopSignals
+    checks: FiniteChecks
+    mesh: Mesh
+    lr_schedule: Callable[[int], Any]
+    tokens_per_step: int
+    start_time: float
+    start_step: int
+    progress_dir: Path | None = None
+    elastic_events: list[dict] = dataclasses.field(default_factory=list)
+    # A line shown before the next emitted step (how long compiling took).
+    note: str | None = None
+    # The first failed write (a full or read-only disk), if any: see `write`.
+    log_error: LogWriteError | None = None
+    _inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
+    _timer: tuple[float, int] = (0.0, 0)  # when the last logged step was read, and which step
+
+    def __post_init__(self):
+        self._timer = (time.perf_counter(), self.start_step)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One record into metrics.jsonl (non-finite numbers as null) and the TensorBoard events.
+
+        A failed write asks every process to stop at the next step boundary with a checkpoint, as
+        SIGTERM does (the CLI then reports `log_error` and exits 1)."""
+        for log in self.logs:
+            try:
+                log.write(record)
+            except LogWriteError as e:
+                self.log_error = self.log_error or e
+                self.signals.seen = self.signals.seen or signal.SIGTERM
+
+    def restart_clock(self) -> None:
+        """Do not charge what just happened (compiling, an evaluation) to training throughput."""
+        self._timer = (time.perf_counter(), self._timer[1])
+
+    def publish(self, pending: dict[str, Any]) -> None:
+        """Read step t's values on this process (waits for step t) and start their exchange with
+        the other processes, which `flush` waits for."""
+        arrays = dict(pending["metrics"])
+        if pending["finite"] is not None:
+            arrays["sync_finite"] = pending["finite"]
+        # Every process's SIGTERM/SIGHUP, so all stop at one step.
+        arrays["stop_signal"] = self.signals.rows(self.config.diloco.num_replicas, self.mesh)
+        global_finite = pending["global_finite"]
+        if global_finite is not None and global_finite.ndim == 1:  # one flag per replica row
+            arrays["global_finite"] = global_finite
+        self._inflight.append(dict(pending, gathered=self.gather.submit(arrays), read_at=time.perf_counter()))
+
+    def flush(self, keep: int = 0) -> None:
+        """Emit the published steps, oldest first, until at most `keep` remain in flight.
+
+        Every process emits the same steps at the same point of the loop (the count decides, not
+        which exchanges happen to have finished), so decisions taken from the gathered values (an
+        agreed stop, a re-form) fall on the same step everywhere."""
+        while len(self._inflight) > keep:
+            self._emit(self._inflight.popleft())
+
+    def _emit(self, pending: dict[str, Any]) -> None:
+        """Check and log step t's gathered values (waiting for their exchange)."""
+        t = pending["step"]
+        m = pending["gathered"].result()
+        global_finite = pending["global_finite"]
+        if "global_finite" in m:
+            global_finite = bool(np.all(m.pop("global_finite")))
+        self.signals.agree(m.pop("stop_signal"))
+        if self.progress_dir is not None:
+            write_progress(self.progress_dir, t)
+        if self.elastic_events:  # the losses and rejoins that led to this run, once it trains again
+            now_unix = time.time()
+            for e in self.elastic_events:
+                self.write({"step": t, **{k: v for k, v in e.items() if k != "detected_unix"},
+                            "stalled_s": now_unix - e["detected_unix"]})
+            self.elastic_events = []
+        skipped = self.checks.check(t, "loss", m["finite"])
+        skipped_sync = self.checks.check(t, "outer gradient", m["sync_finite"]) if "sync_finite" in m else []
+        fatal = None
+        if skipped and len(skipped) == len(m["finite"]):
+            fatal = self.checks.all_skipped(t, "loss")
+        elif skipped_sync and len(skipped_sync) == len(m["sync_finite"]):
+            fatal = self.checks.all_skipped(t, "outer gradient")
+        if fatal is None:
+            try:
+                self.checks.check_global(t, global_finite)
+            except NonFiniteError as e:
+                fatal = e
+        event = pending["synced"] is not None or pending["applied"] is not None or pending["router_drift"] is not None
+        if self.note is not None:
+            self.display.log(self.note)
+            self.note = None
+        train = self.config.train
+        if t % train.log_every and t != train.steps and not event and fatal is None:
+            return
+        last_time, last_step = self._timer
+        now = pending["read_at"]  # when step t was done here, however late its exchange finished
+        tokens_per_s = (t - last_step) * self.tokens_per_step / max(now - last_time, 1e-9)
+        replica_losses = [float(x) for x in m["loss"]]
+        record = {
+            "step": t,
+            "time": now - self.start_time,
+            "loss": float(np.mean(replica_losses)),
+            "replica_losses": replica_losses,
+            "lr": float(self.lr_schedule(t - 1)),
+            "grad_norm": float(np.mean(m["grad_norm"])),
+            "tokens_per_s": tokens_per_s,
+            "sent_bytes": pending["sent"],
+            "wire_bytes": pending["wire"],
+            "peak_sync_bytes": pending["peak"],
+            "synced_fragment": pending["synced"],
+            "applied_fragment": pending["applied"],
+            "live_replicas": self.config.diloco.num_replicas,
+        }
+        if skipped:
+            record["skipped_replicas"] = skipped
+        if skipped_sync:
+            record["skipped_sync_replicas"] = skipped_sync
+        if "expert_usage" in m:
+            record.update(moe_metrics(m["expert_usage"]))
+        if pending["router_drift"] is not None:
+            record["router_drift"] = float(replicated_value(pending["router_drift"]))
+        self.write(record)
+        if fatal is not None:
+            raise fatal
+        status = f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s"
+        self.display.update(t, status)
+        if not self.display.interactive and t % train.log_every == 0:
+            self.display.log(f"step {t:>6}  {status}  sent {pending['sent'] / 1e6:.1f} MB")
+        self._timer = (now, t)
+
+
+def moe_metrics(expert_usage: jax.Array) -> dict[str, Any]:
+    """Per layer, the normalized entropy of expert usage (1 = perfectly balanced), from the
+    replicas' (R, layers, experts) usage."""
+    usage = np.asarray(expert_usage)
+    return {"expert_balance": [float(x) for x in np.asarray(usage_entropy(jnp.asarray(usage.mean(0))))]}
