@@ -60,6 +60,7 @@ def test_the_public_namespaces():
         assert name in eqx_diloco.lm.__all__ and getattr(eqx_diloco.lm, name) is not None
 
 
-def test_no_module_of_the_core_is_over_400_lines():
-    long = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+def test_no_module_is_over_400_lines():
+    """Every module of the package, the core's and the application's (`lm/`) alike."""
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
