@@ -47,6 +47,7 @@ from ._processes import (
     read_failure,
     signal_group,
     spawn,
+    stop_all,
     wait_or_kill,
 )
 
@@ -200,11 +201,7 @@ class ElasticLauncher:
                     marker.unlink(missing_ok=True)
 
     def _stop_all(self, grace_s: float) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                signal_group(p, signal.SIGTERM)
-                signal_group(p, signal.SIGCONT)
-        wait_or_kill(self.procs, grace_s)
+        stop_all(self.procs, grace_s)
         if self.tee is not None:
             self.tee.join(timeout=5)
 

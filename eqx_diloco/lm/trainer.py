@@ -109,8 +109,7 @@ class Trainer:
         self.island = self.islands[jax.process_index()] if self.elastic else None
         self.snapshots = (IslandSnapshots(config.run_dir / "elastic" / f"island-{self.island}",
                                           keep=config.elastic.keep_snapshots) if self.elastic else None)
-        self.signals = StopSignals(elastic=self.elastic)
-        self._reporter: Reporter | None = None  # one per `run`
+        self._reporter: Reporter | None = None  # one per `run`, with its `signals`
 
     @property
     def log_error(self):
@@ -206,7 +205,7 @@ class Trainer:
         log = MetricsLog(config.run_dir, resume_step=start, enabled=self.is_main)
         display = ProgressDisplay(t_cfg.steps, start, enabled=show)
         tb = None
-        self.signals = StopSignals(elastic=self.elastic)
+        self.signals = StopSignals(elastic=self.elastic)  # none seen yet, whatever an earlier run saw
         try:
             tb = TensorBoardLog(config.run_dir, resume_step=start, enabled=self.is_main)
             self._reporter = Reporter(
