@@ -232,3 +232,24 @@ def test_resume_may_change_how_the_model_runs_but_not_its_shape():
     for field in ("dtype", "attention", "scan_unroll", "remat"):  # a checkpoint written before these fields
         del old["model"][field]
     assert incompatibility(old, Config(model=TransformerConfig(remat="block"))) is None
+
+
+def test_committed_precision_artifact_has_bf16_within_2_percent_of_float32_on_every_seed():
+    import json
+    from pathlib import Path
+
+    result = json.loads((Path(__file__).parents[1] / "benchmarks/results/precision.json").read_text())
+    seeds = {r["seed"] for r in result["runs"]}
+    assert len(seeds) == 3 and {r["dtype"] for r in result["runs"]} == {"float32", "bfloat16"}
+    loss = {(r["dtype"], r["seed"]): r["eval_loss"] for r in result["runs"]}
+    for seed in seeds:
+        assert abs(loss["bfloat16", seed] / loss["float32", seed] - 1) <= 0.02, seed
+    assert result["within_2_percent"] and result["revision"] and result["machine"]["backend"] == "cpu"
+
+
+@pytest.mark.slow  # two short training runs in-process
+def test_precision_benchmark_runs_and_writes_its_artifact(tmp_path):
+    from benchmarks.precision import main
+
+    result = main(["--steps", "2", "--seeds", "1", "--out", str(tmp_path / "p.json")])
+    assert (tmp_path / "p.json").exists() and len(result["runs"]) == 2
