@@ -247,6 +247,7 @@ def test_committed_precision_artifact_has_bf16_within_2_percent_of_float32_on_ev
     assert result["within_2_percent"] and result["revision"] and result["machine"]["backend"] == "cpu"
 
 
+@standard_promotion
 @pytest.mark.slow  # two short training runs in-process
 def test_precision_benchmark_runs_and_writes_its_artifact(tmp_path):
     from benchmarks.precision import main
