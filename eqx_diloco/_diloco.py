@@ -6,9 +6,10 @@ optimizer, quantized exchanges, overlapped syncs on communication devices and th
 and checkpoint wiring. The LM trainer (`eqx_diloco.Trainer`) is one client of it.
 
 Host-side bookkeeping: a sync launched with overlap (tau > 0) runs in the background and
-its result is installed tau steps later. Those in-flight results live in this object, not
-in the state, and the state always *reads* as if syncs were blocking once `settle` has
-run; `save` and `global_model` do that for you.
+its result is installed tau steps later. Those in-flight results live in this object (one
+`SyncGroup` per parameter group holds its own), not in the state, and the state always
+*reads* as if syncs were blocking once `settle` has run; `save` and `global_model` do that
+for you.
 """
 
 import functools
@@ -23,18 +24,20 @@ from jaxtyping import Array, PRNGKeyArray
 
 from . import schedule
 from ._arguments import check_arguments, check_batch
-from ._eager import InFlightExchange
 from ._errors import ConfigError
 from ._mesh import build_meshes
-from ._outer import InFlightSync
 from ._persistence import Persistence
 from ._programs import FIELDS as PROGRAM_FIELDS
 from ._programs import Programs, build_programs, is_trainable, signature
 from ._results import Results
 from ._state import TrainState, build_state
 from ._step import LossFn
+from ._sync_group import SyncGroup, make_sync_groups
 
 PyTree = Any
+
+# `DiLoCo` attributes read as one list over the parameter groups: the `SyncGroup` field each lists.
+_GROUP_FIELDS = {"group_bytes": "sent_bytes", "group_wire_bytes": "wire_bytes"}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -163,8 +166,9 @@ class DiLoCo(Results, Persistence):
         self.mesh, self.comm_mesh = mesh, comm_mesh
         # Host-side state, all of it. The device state (`TrainState`) is the rest.
         self._programs: Programs | None = None  # built by the first init / restore / abstract
-        # Launched syncs (tau > 0) or exchanges (outer_overlap) by group, not installed yet.
-        self._in_flight: dict[int, InFlightSync | InFlightExchange] = {}
+        # One per parameter group, built with the programs: its schedule, payload sizes and
+        # launched sync (tau > 0) or exchange (outer_overlap) not installed yet.
+        self._sync_groups: tuple[SyncGroup, ...] = ()
         # The state this object handed out last and its step: `step` reads t from here
         # instead of from the device (which would wait for the step in flight).
         self._last_state, self._next_step = None, 0
@@ -182,14 +186,24 @@ class DiLoCo(Results, Persistence):
                      "this DiLoCo object was set up for a model of another structure or shape")
             return params
         self._programs = build_programs(self, params, static)
+        self._sync_groups = make_sync_groups(self, self._programs, params)
         return params
 
+    def _drop_in_flight(self) -> None:
+        # A fresh, restored or re-formed state has nothing in flight: an exchange launched from
+        # an earlier state belongs to that state (checkpoints and island snapshots are settled).
+        for sync_group in self._sync_groups:
+            sync_group.in_flight = None
+
     def __getattr__(self, name: str):
-        # Reached only for names not set on the object: the bound programs' fields.
-        if name in PROGRAM_FIELDS:
+        # Reached only for names not set on the object: the bound programs' fields, and the
+        # sync groups' byte counts as lists by group (what the trainer reads).
+        if name in PROGRAM_FIELDS or name in _GROUP_FIELDS:
             programs = self.__dict__.get("_programs")
             if programs is None:
                 raise AttributeError(f"DiLoCo.{name} exists once a model is bound: call init, restore or abstract")
+            if name in _GROUP_FIELDS:
+                return [getattr(sync_group, _GROUP_FIELDS[name]) for sync_group in self._sync_groups]
             return getattr(programs, name)
         raise AttributeError(f"'DiLoCo' object has no attribute {name!r}")
 
@@ -207,7 +221,7 @@ class DiLoCo(Results, Persistence):
         # Fresh buffers: jit may hand an input straight back as theta_g, and the first step
         # donates the state, which would delete the caller's model arrays with it.
         state = build(jax.tree.map(jnp.copy, params), key)
-        self._in_flight.clear()
+        self._drop_in_flight()
         self._unchecked.clear()
         self._last_state, self._next_step = state, 0
         return state
@@ -225,20 +239,13 @@ class DiLoCo(Results, Persistence):
 
     def router_due(self, t: int) -> bool:
         """Whether the router group takes its own outer step after step t."""
-        return self.router_group is not None and schedule.router_synced(t, self.router_sync_period)
-
-    def _bytes_at(self, t: int, per_group: list[int], ddp: int) -> int:
-        if not self.is_diloco:
-            return ddp
-        synced, _ = self.events(t)
-        sent = 0 if synced is None else per_group[synced]
-        if self.router_due(t):
-            sent += per_group[self.router_group]
-        return sent
+        return self.router_group is not None and self._sync_groups[self.router_group].syncs_after(t)
 
     def sent_bytes_at(self, t: int) -> int:
         """Payload bytes one replica encodes for the syncs that start at step t (scales included)."""
-        return self._bytes_at(t, self.group_bytes, self.ddp_step_bytes)
+        if not self.is_diloco:
+            return self.ddp_step_bytes
+        return sum(g.sent_bytes for g in self._sync_groups if g.syncs_after(t))
 
     def wire_bytes_at(self, t: int) -> int:
         """Bytes one replica's collectives move for the syncs that start at step t.
@@ -246,7 +253,9 @@ class DiLoCo(Results, Persistence):
         A float32 psum counts as a ring all-reduce (2 (R - 1) / R of the buffer), a payload
         all-gather as R - 1 payloads, the two-phase exchange as 2 (R - 1) / R of a payload.
         """
-        return self._bytes_at(t, self.group_wire_bytes, self.ddp_step_wire_bytes)
+        if not self.is_diloco:
+            return self.ddp_step_wire_bytes
+        return sum(g.wire_bytes for g in self._sync_groups if g.syncs_after(t))
 
     # -- stepping ----------------------------------------------------------------------------
 
@@ -271,12 +280,13 @@ class DiLoCo(Results, Persistence):
             finished.append(finite)
         else:
             if applied is not None:
-                if applied in self._in_flight:  # else installed early (settle) or restored
-                    state, finite = self.outer.install(state, self._in_flight.pop(applied))
+                # Nothing in flight if it was installed early (settle) or the state restored.
+                state, finite = self._sync_groups[applied].settle(state)
+                if finite is not None:
                     finished.append(finite)
                 state = self.outer.merge(state, applied)
             if synced is not None:
-                self._in_flight[synced] = self.outer.launch(state, synced)
+                state = self._sync_groups[synced].launch(state)
         finite = functools.reduce(jnp.logical_and, finished) if finished else None
         return state, finite, synced, applied
 
@@ -284,10 +294,10 @@ class DiLoCo(Results, Persistence):
         """delayed / eager: take the arrived exchange of this group, step, launch the next one."""
         if synced is None:
             return state, None, None, None
-        finite = None
-        if synced in self._in_flight:  # else settled early (evaluation, checkpoint), restored, or the first round
-            state, finite = self.overlapped.install(state, self._in_flight.pop(synced))
-        state, self._in_flight[synced] = self.overlapped.sync(state, synced)
+        sync_group = self._sync_groups[synced]
+        # Nothing in flight if settled early (evaluation, checkpoint), restored, or the first round.
+        state, finite = sync_group.settle(state)
+        state = sync_group.launch(state)
         return state, finite, synced, synced
 
     def _current_step(self, state: TrainState) -> int:

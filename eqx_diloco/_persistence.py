@@ -65,7 +65,7 @@ class Persistence:
         if restored is None:
             return None
         state, saved_step = restored
-        self._in_flight.clear()
+        self._drop_in_flight()
         self._last_state, self._next_step = state, saved_step
         return state
 
@@ -74,7 +74,7 @@ class Persistence:
     @property
     def settled(self) -> bool:
         """Whether no sync is in flight: right after a sync or merge, a sync boundary."""
-        return not self._in_flight
+        return all(sync_group.in_flight is None for sync_group in self._sync_groups)
 
     def own_replica(self) -> int:
         """The replica whose rows this process holds (an island holds exactly one)."""
@@ -103,7 +103,7 @@ class Persistence:
             return None
         state = reform_state(self, snapshots, step=step, source=source, island=island,
                              replica=self.own_replica(), key=key)
-        self._in_flight.clear()
+        self._drop_in_flight()
         self._last_state, self._next_step = state, step
         return state
 

@@ -47,8 +47,6 @@ class Programs:
     inner_step: Any  # `make_inner_step`'s jitted step
     outer: OuterSync | None  # blocking / tau-overlapped syncs (outer_overlap none)
     overlapped: OverlappedOuter | None  # delayed / eager whole-round exchanges
-    group_bytes: list[int]  # payload bytes one replica encodes per sync of each group
-    group_wire_bytes: list[int]  # bytes its collectives move per sync of each group
     ddp_step_bytes: int  # one float32 gradient: the denominator of every bandwidth claim
     ddp_step_wire_bytes: int
 
@@ -91,7 +89,6 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
             skip_nonfinite=skip, error_feedback=d.error_feedback, shardings=shardings, comm_mesh=d.comm_mesh,
             exchange=d.exchange,
         )
-    shapes = [[v.shape for v in group.get(abstract)] for group in groups]
     all_shapes = [x.shape for x in jax.tree.leaves(abstract)]
     return Programs(
         signature=signature(params), groups=groups,
@@ -99,8 +96,6 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         router_group=d.num_fragments if separate is not None else None,
         static=static, build_kwargs=build_kwargs, abstract_state=abstract_state, shardings=shardings,
         inner_step=inner_step, outer=outer, overlapped=overlapped,
-        group_bytes=[sync_nbytes(s, d.quantize, d.num_replicas, d.exchange) for s in shapes],
-        group_wire_bytes=[sync_wire_nbytes(s, d.quantize, d.num_replicas, d.exchange) for s in shapes],
         ddp_step_bytes=sync_nbytes(all_shapes, "none"),
         ddp_step_wire_bytes=sync_wire_nbytes(all_shapes, "none", d.num_replicas),
     )

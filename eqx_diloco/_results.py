@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from . import schedule
 from ._errors import ConfigError, NonFiniteError
 from ._outer import move_to_mesh
 from ._state import TrainState
@@ -32,11 +31,11 @@ class Results:
         evaluation or a checkpoint must see. Returns (state, finite flags of those syncs).
         """
         finished = []
-        install = self.overlapped.install if self.overlapped is not None else self.outer.install if self.outer else None
-        for group in sorted(self._in_flight):
-            state, finite = install(state, self._in_flight.pop(group))
-            finished.append(finite)
-            self._unchecked.append((self._next_step, finite))
+        for sync_group in self._sync_groups:
+            state, finite = sync_group.settle(state)
+            if finite is not None:
+                finished.append(finite)
+                self._unchecked.append((self._next_step, finite))
         if self._last_state is not None:
             self._last_state = state
         return state, finished
@@ -50,8 +49,9 @@ class Results:
         (`settle` first).
         """
         _require(self.outer_overlap != "none", "sync_now is for outer_overlap='delayed' or 'eager'")
-        _require(group not in self._in_flight, f"group {group} has an exchange in flight: settle first")
-        state, self._in_flight[group] = self.overlapped.sync(state, group)
+        sync_group = self._sync_groups[group]
+        _require(sync_group.in_flight is None, f"group {group} has an exchange in flight: settle first")
+        state = sync_group.launch(state)
         if self._last_state is not None:
             self._last_state = state
         return state
@@ -67,8 +67,8 @@ class Results:
         """
         state, _ = self.settle(state)
         if self.overlapped is not None:
-            for group in range(len(self.groups)):
-                state = self.overlapped.drain(state, group)
+            for sync_group in self._sync_groups:
+                state = self.overlapped.drain(state, sync_group.index)
             if self._last_state is not None:
                 self._last_state = state
         return state
@@ -112,15 +112,7 @@ class Results:
 
     def stale_groups(self, t: int) -> list[int]:
         """The parameter groups whose last scheduled sync is older than step `t` (see `finish`)."""
-        stale = []
-        for group in range(len(self.groups)):
-            if group == self.router_group:
-                last = t - t % self.router_sync_period
-            else:
-                last = max(schedule.sync_steps(group, self.sync_period, self.num_fragments, t), default=0)
-            if last < t:
-                stale.append(group)
-        return stale
+        return [sync_group.index for sync_group in self._sync_groups if sync_group.last_sync(t) < t]
 
     def _check_nonfinite(self) -> None:
         """Raise `NonFiniteError` for the first unread sync flags that the policy does not accept.
@@ -159,11 +151,13 @@ class Results:
         if self.overlapped is not None:  # delayed: theta_g only moves at its syncs
             return state.global_params
         global_params = state.global_params
-        for group in sorted(self._in_flight):
-            new_values = self._in_flight[group].outputs[0]
+        for sync_group in self._sync_groups:
+            if sync_group.in_flight is None:
+                continue
+            new_values = sync_group.in_flight.outputs[0]
             if self.comm_mesh is not None:
                 new_values = move_to_mesh(new_values, self.comm_mesh, self.mesh)
-            global_params = self.groups[group].put(global_params, new_values)
+            global_params = self.groups[sync_group.index].put(global_params, new_values)
         return global_params
 
     def global_model(self, state: TrainState) -> PyTree:
