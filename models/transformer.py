@@ -12,7 +12,7 @@ iteration) and `remat` (what the backward pass saves of each block).
 """
 
 import math
-from typing import ClassVar, Literal
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -184,10 +184,9 @@ class Transformer(eqx.Module):
     - `config`: a `TransformerConfig`.
     - `key`: a JAX PRNG key for the initial weights (keyword-only).
 
-    `blocks` is one `Block` whose array leaves carry a leading layer axis; the class
-    attribute `layer_stack` names that field so that fragmenting code slices it without
-    guessing from parameter names. `router_mask` marks, inside a block, the leaves that
-    belong to an MoE router (none for dense models).
+    `blocks` is one `Block` whose array leaves carry a leading layer axis (pass
+    `layers=lambda m: m.blocks` to `DiLoCo` so its fragments slice that axis). `router_mask`
+    marks, inside a block, the leaves that belong to an MoE router (none for dense models).
 
     Parameters are float32 whatever `config.dtype` says: `apply` casts each weight to the
     compute dtype where it is used, so optimizer state and DiLoCo's outer state stay float32.
@@ -199,8 +198,6 @@ class Transformer(eqx.Module):
     final_norm: RMSNorm
     head: Float[Array, "dim vocab"] | None
     config: TransformerConfig = eqx.field(static=True)
-
-    layer_stack: ClassVar[str] = "blocks"
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
         k_embed, k_blocks, k_head = jax.random.split(key, 3)

@@ -61,6 +61,7 @@ def make_config(tmp_path):
 SLOW_FILES_FIRST = (
     "test_elastic.py",  # with test_multiprocess.py, on one worker one after the other (their many processes)
     "test_outer_sweep.py",
+    "test_memory.py",  # two compiles of a 1.3B-parameter step
     "test_multiprocess.py",
     "test_checkpoint.py",
     "test_eager_benchmark.py",

@@ -134,7 +134,10 @@ def results(tmp_path_factory):
     os.mkfifo(tmp / "fifo")
     _write_models(tmp)
     named = [*((name, argv, env) for name, argv, env, _ in CASES), *GOOD_CASES]
-    cases = [(_in(tmp, argv), env, str(tmp)) for _, argv, env in named]
+    # Each case its own run folder: cases run a few at a time, and a trainer that gets as far as
+    # locking its run folder must not find another case's lock there.
+    cases = [(_in(tmp, [a.replace("{tmp}/run", f"{{tmp}}/runs/{name}") if isinstance(a, str) else a for a in argv]),
+              env, str(tmp)) for name, argv, env in named]
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fork_cli.py"))], input=pickle.dumps(cases),
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]

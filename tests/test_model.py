@@ -31,7 +31,6 @@ def test_scan_equals_unrolled_loop(tie):
 def test_stacked_leaves_have_layer_axis_and_tied_head_is_absent():
     config = TransformerConfig(num_layers=5, dim=16, num_heads=2, tie_embeddings=True)
     model = Transformer(config, key=jax.random.key(0))
-    assert Transformer.layer_stack == "blocks"
     assert all(x.shape[0] == 5 for x in jax.tree.leaves(model.blocks))
     assert model.head is None
 
