@@ -37,11 +37,27 @@ def group_masks(params, num_fragments: int, depth: int, in_stack, pattern: str =
             elif not stacked:
                 mask.append(np.full(x.shape, g == 0))
             else:
-                dealt = [layer % groups if pattern == "strided" else layer // (depth // groups) for layer in range(depth)]
+                dealt = [layer % groups if pattern == "strided" else layer // (depth // groups)
+                         for layer in range(depth)]
                 layers = np.array([d == g - 1 for d in dealt])
                 mask.append(np.broadcast_to(layers.reshape((depth,) + (1,) * (x.ndim - 1)), x.shape))
         masks.append(mask)
     return masks
+
+
+def replica_inner_steps(treedef, inner_opt, grad_fn):
+    """One inner step of every replica: a jitted vmap over flat leaf lists with a leading R axis,
+    `(params, opt_state, batch) -> (params, opt_state, loss)`."""
+
+    @jax.jit
+    @jax.vmap
+    def inner(p, o, batch):
+        loss, grads = grad_fn(jax.tree.unflatten(treedef, p), batch)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, o = inner_opt.update(grads, o, jax.tree.unflatten(treedef, p))
+        return [a + b for a, b in zip(p, jax.tree.leaves(updates))], o, loss
+
+    return inner
 
 
 def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, lr, mu, depth, in_stack, steps,
@@ -54,14 +70,7 @@ def reference_overlapped(mode, params, *, inner_opt, grad_fn, batches, R, H, P, 
     momentum = [jnp.zeros_like(x) for x in theta]
     masks = group_masks(params, P, depth, in_stack)
     in_flight = {}  # group -> (mean Delta over replicas, each replica's own Delta), per leaf
-
-    @jax.jit
-    @jax.vmap
-    def inner(p, o, batch):
-        loss, grads = grad_fn(jax.tree.unflatten(treedef, p), batch)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, o = inner_opt.update(grads, o, jax.tree.unflatten(treedef, p))
-        return [a + b for a, b in zip(p, jax.tree.leaves(updates))], o, loss
+    inner = replica_inner_steps(treedef, inner_opt, grad_fn)
 
     def sync(g, theta, anchor, momentum):
         delta = [a - x for a, x in zip(anchor, theta)]

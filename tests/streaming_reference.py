@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eager_reference import group_masks
+from eager_reference import group_masks, replica_inner_steps
 from eqx_diloco import schedule
 
 
@@ -30,14 +30,7 @@ def reference_streaming(params, *, inner_opt, grad_fn, batches, R, H, P, tau, al
     global_params = [jnp.asarray(x) for x in jax.tree.leaves(params)]
     momentum = [jnp.zeros_like(x) for x in global_params]
     masks = group_masks(params, P, depth, in_stack, pattern=pattern)
-
-    @jax.jit
-    @jax.vmap
-    def inner(p, o, batch):
-        loss, grads = grad_fn(jax.tree.unflatten(treedef, p), batch)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, o = inner_opt.update(grads, o, jax.tree.unflatten(treedef, p))
-        return [a + b for a, b in zip(p, jax.tree.leaves(updates))], o, loss
+    inner = replica_inner_steps(treedef, inner_opt, grad_fn)
 
     losses = []
     for step in range(steps):
