@@ -21,6 +21,11 @@ jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+# A cluster manager's variables (a CI job started by srun or mpirun) would make every trainer run in these
+# tests join that job; tests/cluster_jobs.py sets them where a test means to.
+for _name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMIX_"))]:
+    del os.environ[_name]
+
 import pytest  # noqa: E402
 
 from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, MeshConfig, TrainConfig  # noqa: E402

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -172,7 +173,8 @@ def test_second_trainer_on_a_locked_run_dir_is_refused(tmp_path):
         proc = _run(["eqx_diloco.train", "--run-dir", str(run_dir), "--train.steps", "1"], {}, tmp_path)
     err = proc.stderr.decode()
     assert proc.returncode == 2, err
-    assert err.strip().splitlines() == [f"error: --run-dir {run_dir} is in use by another trainer (pid {os.getpid()})"]
+    holder = f"pid {os.getpid()} on {socket.gethostname()}"
+    assert err.strip().splitlines() == [f"error: --run-dir {run_dir} is in use by another trainer ({holder})"]
     assert not (run_dir / "metrics.jsonl").exists()
 
 

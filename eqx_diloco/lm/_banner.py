@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ._layout import wants_comm_device
+from ._layout import process_layout, wants_comm_device
 from ._processes import GENERATION_ENV, LINK_LIMIT_ENV
 from .config import token_file_vocab
 
@@ -125,10 +125,28 @@ def runtime_lines(config) -> list[str]:
     platform = devices[0].platform if devices else "none"
     comm = wants_comm_device(config) and (d.comm_device == "on" or jax.default_backend() == "cpu")
     extra = f" (+{d.num_replicas} communication devices for overlapped syncs)" if comm else ""
-    procs = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    num_processes = jax.process_count()
+    procs, islands = "", []
+    if num_processes > 1:
+        cluster = process_layout(config).cluster
+        found = f" ({cluster.job}, found by JAX's cluster detection)" if cluster is not None else ""
+        procs = f", {num_processes} processes{found}"
+        islands = [f"  islands      {island_map(d.num_replicas, num_processes)}"]
     cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None
     cache = f"cached in {cache_dir}" if cache_dir else "persistent cache off"
-    return [f"  devices      {len(devices)} x {platform}{procs}{extra}", f"  compilation  {cache}"]
+    return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, f"  compilation  {cache}"]
+
+
+def island_map(num_replicas: int, num_processes: int) -> str:
+    """Which processes hold which replicas: contiguous blocks of R / P replicas, in process order
+    (`build_meshes` lays the `diloco` axis out so)."""
+    per = num_replicas // num_processes
+
+    def replicas(p: int) -> str:
+        first, last = p * per, (p + 1) * per - 1
+        return f"replica {first}" if per == 1 else f"replicas {first}-{last}"
+
+    return ", ".join(f"{replicas(p)} on process {p}" for p in range(num_processes))
 
 
 def describe_setup(config) -> str:

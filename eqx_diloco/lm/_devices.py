@@ -3,8 +3,10 @@
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
@@ -24,16 +26,17 @@ if TYPE_CHECKING:
 
 def setup_devices(config: "Config") -> None:
     """Set the local device count and, for several processes, join the distributed runtime."""
-    coordinator, num_processes, process_id = process_layout(config)
+    layout = process_layout(config)
     ensure_cpu_devices(devices_needed(config))
-    if num_processes > 1:
-        if coordinator is None:
+    if layout.num_processes > 1:
+        if layout.coordinator is None:
             raise ConfigError("--dist.coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required with several "
                               "processes")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         quiet_gloo_lines()
-        join(coordinator, num_processes, process_id, heartbeat_timeout_s=config.dist.heartbeat_timeout_s,
-             timeout_s=config.dist.init_timeout_s)
+        guard_stderr(layout.process_id, layout.num_processes, config.dist.heartbeat_timeout_s)
+        join(layout.coordinator, layout.num_processes, layout.process_id,
+             heartbeat_timeout_s=config.dist.heartbeat_timeout_s, timeout_s=config.dist.init_timeout_s)
 
 
 # What gloo prints with std::cout each time it connects a communicator (twice per run here); no variable
@@ -104,6 +107,23 @@ def _write_all(target: int | None, data: bytes) -> int | None:
     return target
 
 
+_GUARDS: list[subprocess.Popen] = []  # kept, so the guard is never collected (and warned about) while it runs
+
+
+def guard_stderr(process_id: int, num_processes: int, heartbeat_s: int) -> None:
+    """Send this process's file descriptor 2 through `_stderr_guard`, a separate process that turns the
+    distributed runtime's multi-line reports of a lost peer (after which it aborts this process) into
+    one line. The guard leaves when this process's last copy of the pipe closes: when it exits."""
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    guard = Path(__file__).with_name("_stderr_guard.py")
+    _GUARDS.append(subprocess.Popen([sys.executable, "-I", "-S", str(guard), str(process_id), str(num_processes), str(heartbeat_s)],
+                                    stdin=read_end, stdout=2, stderr=subprocess.DEVNULL, close_fds=True))
+    os.close(read_end)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+
 # How much later than `join` JAX's own start-up deadline falls: past that deadline JAX's C++ client aborts
 # the process (SIGABRT, a C++ stack) instead of raising, so `join` must always give up first.
 _JAX_INIT_MARGIN_S = 30
@@ -127,7 +147,11 @@ def join(coordinator: str, num_processes: int, process_id: int, *, heartbeat_tim
 
     threading.Thread(target=give_up, name="eqx_diloco-join-timeout", daemon=True).start()
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id,
+        # Detection is off: the layout already holds what a cluster manager says, and JAX's detection would
+        # also give each process only the one GPU its local task index names, where a process here may
+        # hold whole replicas over several devices (give a task its devices with the scheduler's binding,
+        # CUDA_VISIBLE_DEVICES or $JAX_LOCAL_DEVICE_IDS).
+        jax.distributed.initialize(coordinator, num_processes, process_id, cluster_detection_method="deactivate",
                                    heartbeat_timeout_seconds=heartbeat_timeout_s,
                                    initialization_timeout=int(timeout_s) + _JAX_INIT_MARGIN_S)
     finally:

@@ -2,22 +2,61 @@
 variables alone: importing it does not start JAX, so the trainer can check and describe a run
 within a second of starting."""
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
 from .._errors import ConfigError
+from ._cluster import DetectedCluster, detect_cluster
 
 if TYPE_CHECKING:
     from .config import Config
 
 
-def process_layout(config: "Config") -> tuple[str | None, int, int]:
-    """(coordinator address, process count, process id) from flags, else JAX's environment variables."""
+@dataclasses.dataclass(frozen=True)
+class ProcessLayout:
+    """Where this process stands in its run.
+
+    - `coordinator`: process 0's `host:port` (None for a single process).
+    - `num_processes`, `process_id`: the run's process count and this process's index.
+    - `cluster`: the cluster manager JAX detected (None when flags or JAX_* variables say it all, or
+      there is none).
+    - `job`: what tells this run's processes from another run's (the run folder's lock compares it).
+    """
+
+    coordinator: str | None
+    num_processes: int
+    process_id: int
+    cluster: DetectedCluster | None = None
+
+    @property
+    def job(self) -> str:
+        return self.cluster.job if self.cluster is not None else f"coordinator {self.coordinator}"
+
+    def source(self, what: str) -> str:
+        """Where `what` (`count`, `id` or `coordinator`) came from, for error messages."""
+        flag = {"count": "--dist.num-processes", "id": "--dist.process-id",
+                "coordinator": "--dist.coordinator-address"}[what]
+        if self.cluster is not None:
+            return f"{flag}, here from {self.cluster.name} through JAX's cluster detection"
+        return f"{flag} or ${_ENV[what]}"
+
+
+_ENV = {"count": "JAX_NUM_PROCESSES", "id": "JAX_PROCESS_ID", "coordinator": "JAX_COORDINATOR_ADDRESS"}
+
+
+def process_layout(config: "Config") -> ProcessLayout:
+    """The run's processes from the `--dist.*` flags, else JAX's environment variables, else (with
+    `--dist.cluster auto` and none of those set) the cluster manager JAX detects (`_cluster`)."""
     dist = config.dist
-    coordinator = dist.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = dist.num_processes or _env_int("JAX_NUM_PROCESSES", 1, "--dist.num-processes")
-    process_id = dist.process_id if dist.process_id is not None else _env_int("JAX_PROCESS_ID", 0, "--dist.process-id")
-    return coordinator, num_processes, process_id
+    coordinator = dist.coordinator_address or os.environ.get(_ENV["coordinator"])
+    count = dist.num_processes or _env_int(_ENV["count"], None, "--dist.num-processes")
+    process_id = dist.process_id if dist.process_id is not None else _env_int(_ENV["id"], None, "--dist.process-id")
+    if coordinator is None and count is None and process_id is None and dist.cluster == "auto":
+        cluster = detect_cluster(dist.init_timeout_s)
+        if cluster is not None and cluster.num_processes > 1:
+            return ProcessLayout(cluster.coordinator, cluster.num_processes, cluster.process_id, cluster)
+    return ProcessLayout(coordinator, count or 1, process_id or 0)
 
 
 def check_dist(config: "Config") -> None:
@@ -25,15 +64,16 @@ def check_dist(config: "Config") -> None:
     address JAX can use (`host:port`; JAX would fail on anything else with a traceback)."""
     if config.dist.init_timeout_s < 1:
         raise ConfigError(f"--dist.init-timeout-s must be >= 1 (got {config.dist.init_timeout_s})")
-    coordinator, num_processes, _ = process_layout(config)
-    if num_processes > 1 and coordinator is not None:
+    layout = process_layout(config)
+    coordinator = layout.coordinator
+    if layout.num_processes > 1 and coordinator is not None:
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            source = "--dist.coordinator-address" if config.dist.coordinator_address else "$JAX_COORDINATOR_ADDRESS"
-            raise ConfigError(f"{source} must be host:port, with a port in 1-65535 (got {coordinator!r})")
+            raise ConfigError(f"{layout.source('coordinator')} must be host:port, with a port in 1-65535 "
+                              f"(got {coordinator!r})")
 
 
-def _env_int(name: str, default: int, flag: str) -> int:
+def _env_int(name: str, default: int | None, flag: str) -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
         return default
@@ -52,16 +92,16 @@ def wants_comm_device(config: "Config") -> bool:
 
 def devices_needed(config: "Config") -> int:
     """Devices per process: `--mesh.data` per local replica, plus one per replica for communication."""
-    _, num_processes, process_id = process_layout(config)
+    layout = process_layout(config)
+    num_processes, process_id = layout.num_processes, layout.process_id
     R = config.diloco.num_replicas
-    source = "--dist.num-processes" if config.dist.num_processes else "$JAX_NUM_PROCESSES"
     if num_processes < 1 or R % num_processes:
         raise ConfigError(
-            f"--diloco.num-replicas must be a multiple of the process count {num_processes} (from {source}; got {R}): "
-            f"every process needs whole replicas"
+            f"--diloco.num-replicas must be a multiple of the process count {num_processes} (from "
+            f"{layout.source('count')}; got {R}): every process holds whole replicas"
         )
     if not 0 <= process_id < num_processes:
-        raise ConfigError(f"--dist.process-id (or $JAX_PROCESS_ID) must be in [0, {num_processes}) (got {process_id})")
+        raise ConfigError(f"{layout.source('id')} must be in [0, {num_processes}) (got {process_id})")
     local_replicas = R // num_processes
     return local_replicas * (config.mesh.data + int(wants_comm_device(config)))
 

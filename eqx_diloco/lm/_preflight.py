@@ -2,7 +2,7 @@
 
 - `check_writable`: the run folder and the checkpoint folder can be created and written.
 - `check_memory`: the biggest arrays a step or an evaluation makes fit in this machine's RAM.
-- `RunDirLock`: one trainer per run folder at a time.
+- `RunDirLock`, `check_run_dir_free`: one run per run folder at a time (a run may be several processes).
 
 Each failure is a `ConfigError` with one line naming the flag.
 """
@@ -10,7 +10,9 @@ Each failure is a `ConfigError` with one line naming the flag.
 import errno
 import fcntl
 import os
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 from .config import Config, ConfigError
@@ -33,13 +35,17 @@ def checkpoint_folder(config: Config) -> Path:
     return config.checkpoint.dir or config.run_dir / "checkpoints"
 
 
-def check_writable(config: Config) -> None:
-    """Raise `ConfigError` unless the run folder and the checkpoint folder are writable folders.
+def check_writable(config: Config, *, checkpoints: bool = True) -> None:
+    """Raise `ConfigError` unless the run folder and (with `checkpoints`) the checkpoint folder are
+    writable folders.
 
-    Creates both if missing (the trainer would create them anyway).
+    Creates them if missing (the trainer would create them anyway). The trainer checks the run folder
+    alone before it takes the folder's lock, and the checkpoint folder once it holds it, so a run
+    refused by the lock adds nothing to another run's folder.
     """
     _check_folder(Path(config.run_dir), "--run-dir")
-    _check_folder(Path(checkpoint_folder(config)), "--checkpoint.dir" if config.checkpoint.dir else "--run-dir")
+    if checkpoints:
+        _check_folder(Path(checkpoint_folder(config)), "--checkpoint.dir" if config.checkpoint.dir else "--run-dir")
 
 
 def available_memory_bytes() -> int:
@@ -91,33 +97,61 @@ def check_memory(config: Config, *, num_processes: int = 1, available: int | Non
             )
 
 
+# How long process 0 retries the lock: another process of its own job may hold it for a moment,
+# shared, to see who holds it (`check_run_dir_free`).
+_LOCK_RETRY_S = 2.0
+
+
+def _holder(fd: int) -> tuple[str, str]:
+    """(pid and host, job) recorded in a lock file by its holder; ("", "") if not written yet."""
+    fields = os.pread(fd, 512, 0).decode(errors="replace").split("\n")
+    return (fields[0].strip(), fields[1].strip()) if len(fields) >= 3 else ("", "")  # both lines written
+
+
+def _in_use(run_dir: Path, holder: str) -> ConfigError:
+    return ConfigError(f"--run-dir {run_dir} is in use by another trainer" + (f" ({holder})" if holder else ""))
+
+
 class RunDirLock:
     """An exclusive lock on `<run_dir>/.lock` for the life of a run (a context manager).
 
-    A second trainer on the same folder gets a `ConfigError` at once instead of interleaving
-    its metrics and checkpoints with the first one's. The lock is `flock`-based, so the
-    kernel drops it when the holder exits, however it exits (no stale lock after a kill).
+    A second run on the same folder gets a `ConfigError` at once instead of interleaving its
+    metrics and checkpoints with the first one's. The lock is `flock`-based, so the kernel drops
+    it when the holder exits, however it exits (no stale lock after a kill). The file records the
+    holder's pid, host and `job`, so the other processes of a multi-process run can tell their
+    own run's lock from another run's (`check_run_dir_free`).
+
+    **Arguments:**
+
+    - `run_dir`: the run folder.
+    - `job`: what identifies this run among runs that may share the folder (`ProcessLayout.job`).
     """
 
-    def __init__(self, run_dir: Path | str):
+    def __init__(self, run_dir: Path | str, *, job: str = ""):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / ".lock"
+        self.job = job
         self._fd: int | None = None
 
     def __enter__(self) -> "RunDirLock":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                by = f" (pid {holder})" if holder.isdigit() else ""
-                raise ConfigError(f"--run-dir {self.run_dir} is in use by another trainer{by}") from None
-            raise ConfigError(f"--run-dir {self.run_dir}: cannot lock {self.path}: {e.strerror}") from None
+        deadline = time.monotonic() + _LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                holder, _ = _holder(fd)
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise _in_use(self.run_dir, holder) from None
+                raise ConfigError(f"--run-dir {self.run_dir}: cannot lock {self.path}: {e.strerror}") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n{self.job}\n".encode(), 0)
         self._fd = fd
         return self
 
@@ -125,3 +159,30 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor releases the flock
             self._fd = None
+
+
+def check_run_dir_free(run_dir: Path | str, *, job: str) -> None:
+    """For a process other than 0: raise `ConfigError` if another run (not `job`) holds the lock on
+    `run_dir`, so every process of a second run on the folder leaves at once, not only its process 0.
+
+    Takes the lock shared for a moment (which fails while a holder has it), never keeps it: process 0
+    of this run takes it for the run, and retries past such a moment (`_LOCK_RETRY_S`)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return  # nobody holds it now: this run's process 0 will take it, or finds another run's first
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ConfigError(f"--run-dir {run_dir}: cannot lock {run_dir / '.lock'}: {e.strerror}") from None
+        deadline = time.monotonic() + _LOCK_RETRY_S
+        holder, holder_job = _holder(fd)
+        while not holder_job and time.monotonic() < deadline:  # taken a moment ago, not written yet
+            time.sleep(0.05)
+            holder, holder_job = _holder(fd)
+        if holder_job != job:
+            raise _in_use(run_dir, holder)
+    finally:
+        os.close(fd)  # releases a shared lock taken above

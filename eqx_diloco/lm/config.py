@@ -126,6 +126,8 @@ class DistributedConfig:
     """number of processes (default: $JAX_NUM_PROCESSES, else 1)."""
     process_id: int | None = None
     """this process's index (default: $JAX_PROCESS_ID)."""
+    cluster: Literal["auto", "none"] = "auto"
+    """with no other `--dist.*` flag and no JAX_* variable: `auto` joins the job of a cluster manager JAX detects (SLURM's `srun`, Open MPI's `mpirun`, Kubernetes, Cloud TPU) as `jax.distributed.initialize()` would; `none` runs a single process all the same."""
     heartbeat_timeout_s: int = 30
     """seconds without a heartbeat after which the other processes give up on a dead one."""
     init_timeout_s: int = 120

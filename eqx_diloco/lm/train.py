@@ -17,7 +17,7 @@ import traceback
 import tyro
 
 from ._layout import check_dist, devices_needed, process_layout
-from ._preflight import RunDirLock, check_memory, check_writable
+from ._preflight import RunDirLock, check_memory, check_run_dir_free, check_writable
 from ._processes import record_failure
 from .config import Config, ConfigError, validate
 
@@ -92,12 +92,16 @@ def _main(config: Config, process: _Process) -> int:
     # Every check that can fail on the flags alone runs before JAX starts or compiles.
     validate(config)
     check_dist(config)
-    _, process.num_processes, process.process_id = process_layout(config)
+    layout = process_layout(config)
+    process.num_processes, process.process_id = layout.num_processes, layout.process_id
     devices_needed(config)  # the process count must split the replicas
     check_memory(config, num_processes=process.num_processes)
-    check_writable(config)
-    # One trainer per run folder; in a multi-process run, process 0 holds the lock for all.
-    with RunDirLock(config.run_dir) if process.process_id == 0 else contextlib.nullcontext():
+    check_writable(config, checkpoints=False)
+    # One run per run folder; in a multi-process run, process 0 holds the lock for all of its processes.
+    if process.process_id != 0:
+        check_run_dir_free(config.run_dir, job=layout.job)
+    with RunDirLock(config.run_dir, job=layout.job) if process.process_id == 0 else contextlib.nullcontext():
+        check_writable(config)
         if process.process_id == 0:
             from ._banner import runtime_lines, setup_lines
 
