@@ -69,8 +69,8 @@ def check_dist(config: "Config") -> None:
     if layout.num_processes > 1 and coordinator is not None:
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"{layout.source('coordinator')} must be host:port, with a port in 1-65535 "
-                              f"(got {coordinator!r})")
+            source = "--dist.coordinator-address" if config.dist.coordinator_address else layout.source("coordinator")
+            raise ConfigError(f"{source} must be host:port, with a port in 1-65535 (got {coordinator!r})")
 
 
 def _env_int(name: str, default: int | None, flag: str) -> int | None:
