@@ -68,6 +68,7 @@ SLOW_FILES_FIRST = (
     "test_outer_sweep.py",
     "test_memory.py",  # two compiles of a 1.3B-parameter step
     "test_multiprocess.py",
+    "test_clusters.py",  # jobs of 2 and 4 processes under emulated SLURM and Open MPI
     "test_checkpoint.py",
     "test_eager_benchmark.py",
     "test_trainer_hardening.py",

@@ -8,6 +8,7 @@ process asks for), so it asks the same plugins directly. JAX is imported only wh
 """
 
 import dataclasses
+import functools
 import os
 import sys
 import warnings
@@ -43,9 +44,21 @@ def detect_cluster(timeout_s: int) -> DetectedCluster | None:
     """The cluster this process runs under, or None if JAX knows none here.
 
     Opt-in plugins (mpi4py) are not asked, as `jax.distributed.initialize()` does not ask them
-    unless told to. `timeout_s`: how long a plugin may wait for the scheduler's answer."""
-    if not any(name.startswith(_CLUSTER_HINTS) for name in os.environ):
+    unless told to. `timeout_s`: how long a plugin may wait for the scheduler's answer.
+
+    The answer is kept for as long as the variables it starts from stay the same: the trainer's
+    checks, device set-up and banner each ask, and a plugin may ask its scheduler over the network
+    (Kubernetes)."""
+    hints = tuple(sorted((name, value) for name, value in os.environ.items()
+                         if name.startswith(_CLUSTER_HINTS) or name == "JAX_COORDINATOR_PORT"))
+    if not any(name != "JAX_COORDINATOR_PORT" for name, _ in hints):
         return None
+    return _ask_jax(timeout_s, hints)
+
+
+@functools.cache
+def _ask_jax(timeout_s: int, hints: tuple[tuple[str, str], ...]) -> DetectedCluster | None:
+    """`detect_cluster`'s question to JAX's plugins (`hints`: the variables they read, the cache key)."""
     try:
         from jax._src.clusters import ClusterEnv
     except ImportError:  # a JAX that moved its plugins: say so once, run as a single process

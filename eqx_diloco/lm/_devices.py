@@ -117,8 +117,8 @@ def guard_stderr(process_id: int, num_processes: int, heartbeat_s: int) -> None:
     sys.stderr.flush()
     read_end, write_end = os.pipe()
     guard = Path(__file__).with_name("_stderr_guard.py")
-    _GUARDS.append(subprocess.Popen([sys.executable, "-I", "-S", str(guard), str(process_id), str(num_processes), str(heartbeat_s)],
-                                    stdin=read_end, stdout=2, stderr=subprocess.DEVNULL, close_fds=True))
+    command = [sys.executable, "-I", "-S", str(guard), str(process_id), str(num_processes), str(heartbeat_s)]
+    _GUARDS.append(subprocess.Popen(command, stdin=read_end, stdout=2, stderr=subprocess.DEVNULL, close_fds=True))
     os.close(read_end)
     os.dup2(write_end, 2)
     os.close(write_end)

@@ -35,15 +35,16 @@ def checkpoint_folder(config: Config) -> Path:
     return config.checkpoint.dir or config.run_dir / "checkpoints"
 
 
-def check_writable(config: Config, *, checkpoints: bool = True) -> None:
-    """Raise `ConfigError` unless the run folder and (with `checkpoints`) the checkpoint folder are
-    writable folders.
+def check_writable(config: Config, *, run_dir: bool = True, checkpoints: bool = True) -> None:
+    """Raise `ConfigError` unless the run folder and the checkpoint folder (each unless its keyword
+    is False) are writable folders.
 
     Creates them if missing (the trainer would create them anyway). The trainer checks the run folder
-    alone before it takes the folder's lock, and the checkpoint folder once it holds it, so a run
-    refused by the lock adds nothing to another run's folder.
+    before it takes the folder's lock, and the checkpoint folder once it holds it, so a run refused by
+    the lock adds nothing to another run's folder.
     """
-    _check_folder(Path(config.run_dir), "--run-dir")
+    if run_dir:
+        _check_folder(Path(config.run_dir), "--run-dir")
     if checkpoints:
         _check_folder(Path(checkpoint_folder(config)), "--checkpoint.dir" if config.checkpoint.dir else "--run-dir")
 
@@ -102,6 +103,19 @@ def check_memory(config: Config, *, num_processes: int = 1, available: int | Non
 _LOCK_RETRY_S = 2.0
 
 
+# What flock's non-blocking attempt fails with while another descriptor holds a conflicting lock.
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+def _open_lock_file(run_dir: Path) -> int:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _cannot_lock(run_dir: Path, e: OSError) -> ConfigError:
+    return ConfigError(f"--run-dir {run_dir}: cannot lock {run_dir / '.lock'}: {e.strerror}")
+
+
 def _holder(fd: int) -> tuple[str, str]:
     """(pid and host, job) recorded in a lock file by its holder; ("", "") if not written yet."""
     fields = os.pread(fd, 512, 0).decode(errors="replace").split("\n")
@@ -129,27 +143,23 @@ class RunDirLock:
 
     def __init__(self, run_dir: Path | str, *, job: str = ""):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / ".lock"
         self.job = job
         self._fd: int | None = None
 
     def __enter__(self) -> "RunDirLock":
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(self.run_dir)
         deadline = time.monotonic() + _LOCK_RETRY_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError as e:
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) and time.monotonic() < deadline:
+                if e.errno in _HELD and time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
                 holder, _ = _holder(fd)
                 os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise _in_use(self.run_dir, holder) from None
-                raise ConfigError(f"--run-dir {self.run_dir}: cannot lock {self.path}: {e.strerror}") from None
+                raise (_in_use(self.run_dir, holder) if e.errno in _HELD else _cannot_lock(self.run_dir, e)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n{self.job}\n".encode(), 0)
         self._fd = fd
@@ -168,15 +178,14 @@ def check_run_dir_free(run_dir: Path | str, *, job: str) -> None:
     Takes the lock shared for a moment (which fails while a holder has it), never keeps it: process 0
     of this run takes it for the run, and retries past such a moment (`_LOCK_RETRY_S`)."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(run_dir)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return  # nobody holds it now: this run's process 0 will take it, or finds another run's first
         except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise ConfigError(f"--run-dir {run_dir}: cannot lock {run_dir / '.lock'}: {e.strerror}") from None
+            if e.errno not in _HELD:
+                raise _cannot_lock(run_dir, e) from None
         deadline = time.monotonic() + _LOCK_RETRY_S
         holder, holder_job = _holder(fd)
         while not holder_job and time.monotonic() < deadline:  # taken a moment ago, not written yet

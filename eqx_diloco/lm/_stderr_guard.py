@@ -24,7 +24,6 @@ _RECORD = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([\w./-]+):\d+\] "
 _RUNTIME_FILES = ("coordination_service.cc", "coordination_service_agent.cc", "client.h", "client.cc")
 # Said by the runtime when it is about to abort the process.
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
-_UNHEALTHY = "stopped sending heartbeats"
 
 
 def filter_lines(lines: Iterable[str], process_id: int, num_processes: int, heartbeat_s: int) -> Iterator[str]:

@@ -101,7 +101,7 @@ def _main(config: Config, process: _Process) -> int:
     if process.process_id != 0:
         check_run_dir_free(config.run_dir, job=layout.job)
     with RunDirLock(config.run_dir, job=layout.job) if process.process_id == 0 else contextlib.nullcontext():
-        check_writable(config)
+        check_writable(config, run_dir=False)
         if process.process_id == 0:
             from ._banner import runtime_lines, setup_lines
 
