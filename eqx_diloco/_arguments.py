@@ -34,6 +34,7 @@ def check_arguments(
     data_parallel: int,
     comm_device: str,
     algorithm: str,
+    replicas_per_device: int | None = None,
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
@@ -43,6 +44,10 @@ def check_arguments(
     for name, value in [("num_replicas", num_replicas), ("sync_period", sync_period),
                         ("num_fragments", num_fragments), ("data_parallel", data_parallel)]:
         _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
+    _require(replicas_per_device is None or (isinstance(replicas_per_device, int) and replicas_per_device >= 1),
+             f"replicas_per_device must be an int >= 1 or None (got {replicas_per_device!r})")
+    _require(replicas_per_device is None or num_replicas % replicas_per_device == 0,
+             f"replicas_per_device must divide num_replicas (got K={replicas_per_device}, R={num_replicas})")
     _require(overlap_steps >= 0, f"overlap_steps must be >= 0 (got {overlap_steps})")
     _require(router_sync_period >= 0, f"router_sync_period must be >= 0 (got {router_sync_period})")
     _require(algorithm in ("diloco", "ddp"), f"algorithm must be diloco or ddp (got {algorithm!r})")

@@ -97,10 +97,20 @@ class DiLoCo(Results, Persistence):
     - `on_nonfinite`: `stop` (outer gradients are averaged as they are; whoever reads the
       metrics stops) or `skip` (a non-finite replica keeps its step / is left out of the mean).
     - `data_parallel`: devices per replica on the `data` mesh axis.
-    - `comm_device`: with tau > 0, run syncs on one extra device per replica so they
-      overlap compute for real: `auto` (on CPU), `on`, `off`.
+    - `comm_device`: with tau > 0, run syncs on one extra device per mesh row so they
+      overlap compute for real: `auto` (on CPU, where the process has the devices), `on`, `off`.
     - `algorithm`: `diloco`, or `ddp` (gradients averaged every step; the baseline).
+    - `replicas_per_device`: K, replicas that share one row of `data_parallel` devices, run
+      vmapped in one program (a sync sums them before the `psum` over `diloco`); must divide
+      R / process count. None: 1 where there are devices enough, else the smallest K that
+      fits (so R replicas train on one device). Results do not depend on K (up to float32
+      summation order); checkpoints resume onto any K.
     - `mesh`, `comm_mesh`: bring your own ("diloco", "data") meshes instead.
+
+    **Precision.** theta_g, the outer optimizer state, error-feedback residuals and the eager
+    mailboxes are float32 even where the model's parameters are bfloat16 or float16 (a small
+    outer step would round away in 8 mantissa bits); the replicas keep the model's dtypes,
+    outer gradients are formed in float32 and merges cast back.
 
     **Usage:**
 
@@ -134,6 +144,7 @@ class DiLoCo(Results, Persistence):
         data_parallel: int = 1,
         comm_device: Literal["auto", "on", "off"] = "auto",
         algorithm: Literal["diloco", "ddp"] = "diloco",
+        replicas_per_device: int | None = None,
         mesh: Mesh | None = None,
         comm_mesh: Mesh | None = None,
     ):
@@ -145,6 +156,7 @@ class DiLoCo(Results, Persistence):
             error_feedback=error_feedback, outer_overlap=outer_overlap, exchange=exchange,
             router_sync_period=router_sync_period, has_routers=routers is not None, on_nonfinite=on_nonfinite,
             data_parallel=data_parallel, comm_device=comm_device, algorithm=algorithm,
+            replicas_per_device=replicas_per_device,
         )
         self.loss_fn, self.layers = loss_fn, layers
         self.num_replicas, self.sync_period, self.num_fragments = num_replicas, sync_period, num_fragments
@@ -159,11 +171,16 @@ class DiLoCo(Results, Persistence):
         if mesh is None:
             overlapped = self.is_diloco and (overlap_steps > 0 or self.outer_overlap != "none")
             comm = comm_device if overlapped else "off"
-            mesh, comm_mesh = build_meshes(num_replicas, data_parallel, comm_device=comm)
+            mesh, comm_mesh = build_meshes(num_replicas, data_parallel, comm_device=comm,
+                                           replicas_per_device=replicas_per_device)
         _require(mesh.axis_names == ("diloco", "data"), f"mesh axes must be ('diloco', 'data') (got {mesh.axis_names})")
-        _require(mesh.shape["diloco"] == num_replicas,
-                 f"mesh has {mesh.shape['diloco']} rows on 'diloco', num_replicas is {num_replicas}")
+        rows = mesh.shape["diloco"]
+        _require(num_replicas % rows == 0 and replicas_per_device in (None, num_replicas // rows),
+                 f"mesh has {rows} rows on 'diloco': num_replicas ({num_replicas}) must be rows x replicas_per_device"
+                 f" ({replicas_per_device})")
         self.mesh, self.comm_mesh = mesh, comm_mesh
+        # K replicas live on each row of the mesh (stepped under vmap; a sync sums them locally).
+        self.replicas_per_device = num_replicas // rows
         # Host-side state, all of it. The device state (`TrainState`) is the rest.
         self._programs: Programs | None = None  # built by the first init / restore / abstract
         # One per parameter group, built with the programs: its schedule, payload sizes and

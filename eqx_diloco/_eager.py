@@ -59,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import quantize
 from ._exchange import resolve_method
-from ._tree import all_finite
+from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
 from ._outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
 from ._state import TrainState
@@ -93,14 +93,15 @@ class OverlappedOuter:
     - `fmt`, `exchange`: wire format and collective (see `_exchange`).
     - `skip_nonfinite`, `error_feedback`: as for the blocking sync.
     - `shardings`: the state's shardings.
+    - `num_replicas`: R, when the mesh's rows hold several replicas each (default: its rows).
     """
 
     def __init__(self, *, mesh: Mesh, comm_mesh: Mesh | None, groups: tuple[ParamGroup, ...],
                  outer_opt: optax.GradientTransformation, mode: str, fmt: str, exchange: str,
-                 skip_nonfinite: bool, error_feedback: bool, shardings: TrainState):
+                 skip_nonfinite: bool, error_feedback: bool, shardings: TrainState, num_replicas: int | None = None):
         self.mesh, self.comm_mesh, self.groups, self.outer_opt = mesh, comm_mesh, groups, outer_opt
         self.mode, self.fmt, self.error_feedback, self.skip_nonfinite = mode, fmt, error_feedback, skip_nonfinite
-        self.num_replicas = mesh.shape["diloco"]
+        self.num_replicas = num_replicas or mesh.shape["diloco"]
         exchange_mesh = comm_mesh or mesh
         self.method = resolve_method(exchange, self.num_replicas, fmt)
         on = lambda spec: NamedSharding(exchange_mesh, spec)  # noqa: E731
@@ -121,13 +122,12 @@ class OverlappedOuter:
     def _exchange_fn(self, mesh: Mesh):
         fmt, method, skip = self.fmt, self.method, self.skip_nonfinite
 
-        def body(sent):
-            sent = [x[0] for x in sent]
-            finite = all_finite(sent)
+        def body(sent):  # each leaf: (K, ...), this row's K replicas
+            finite = row_finite(sent)
             means, own_error = replica_mean(sent, finite, fmt=fmt, method=method, skip_nonfinite=skip)
             if own_error is None:  # a float32 psum loses nothing
                 own_error = [jnp.zeros_like(x) for x in sent]
-            return means, finite[None], [e[None] for e in own_error]
+            return means, finite, own_error
 
         return jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("diloco"),), out_specs=(PartitionSpec(), PartitionSpec("diloco"), PartitionSpec("diloco")))
 
@@ -146,7 +146,7 @@ class OverlappedOuter:
         def outer(state: TrainState):
             replicas = group.get(state.params, layer_axis=1)
             anchors = group.get(state.global_params, layer_axis=1 if eager else 0)
-            deltas = [jnp.broadcast_to(a, r.shape) - r for a, r in zip(anchors, replicas)]
+            deltas = [jnp.broadcast_to(a, r.shape) - r.astype(a.dtype) for a, r in zip(anchors, replicas)]
             sent = deltas if not self.error_feedback else [d + e for d, e in zip(deltas, state.residuals[i])]
             mean_prev = state.mail_mean[i]
             with jax.numpy_dtype_promotion("standard"):  # optax mixes weak floats and int32 counts
@@ -164,6 +164,7 @@ class OverlappedOuter:
             anchors = [jnp.where(ok, n, a) for n, a in zip(new_anchors, anchors)]
             outer_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), outer_state, state.outer_states[i])
             restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
+            restart = cast_like(restart, replicas)
             state = dataclasses.replace(
                 state,
                 params=group.put(state.params, restart, layer_axis=1),
@@ -209,6 +210,7 @@ class OverlappedOuter:
             anchors = [jnp.where(landed, n, a) for a, n in zip(anchors, landed_anchors)]
             replicas = group.get(state.params, layer_axis=1)
             restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
+            restart = cast_like(restart, replicas)
             empty = lambda mail: _replace(mail, i, [jnp.zeros_like(x) for x in mail[i]])  # noqa: E731
             return dataclasses.replace(
                 state,

@@ -274,7 +274,7 @@ def _fresh_rows(diloco, shared: dict[str, list], key: jax.Array, step: int) -> d
     """Own rows of an island that (re)joins: theta_g, a fresh inner optimizer state (its learning-rate
     schedule at `step`), a zero residual."""
     abstract = diloco.abstract_state
-    params = [np.asarray(x) for x in shared["global_params"]]
+    params = [np.asarray(x).astype(p.dtype) for x, p in zip(shared["global_params"], _leaves(abstract.params))]
     params_tree = jax.tree.unflatten(jax.tree.structure(abstract.global_params), [jnp.asarray(p) for p in params])
     fresh = schedules_at(jax.jit(diloco.inner_optimizer.init)(params_tree), step)
     opt_state = [np.asarray(x) for x in _leaves(fresh)]
@@ -287,7 +287,8 @@ def own_replica(replica_sharding: jax.sharding.Sharding, num_replicas: int) -> i
     """The replica whose rows this process holds under `replica_sharding` (an island holds exactly one)."""
     indices = replica_sharding.addressable_devices_indices_map((num_replicas, 2))
     starts = {(index[0].start or 0) for index in indices.values()}
-    if len(starts) != 1:
+    held = {(index[0].stop or num_replicas) - (index[0].start or 0) for index in indices.values()}
+    if len(starts) != 1 or held != {1}:
         raise ConfigError(
             f"elastic islands need one replica per process (this process holds replicas {sorted(starts)}): "
             f"run as many processes as --diloco.num-replicas")

@@ -179,73 +179,103 @@ def _sum_rows(payloads: quantize.Payload, fmt: str, size: int, R: int) -> Float3
     return total
 
 
+def _encode_rows(rows: Float32[Array, "K n"], fmt: str) -> tuple[quantize.Payload, Float32[Array, "K n"]]:
+    """Each row encoded on its own (leaves with a leading K axis), and each row's rounding error."""
+    n = rows.shape[1]
+    payload = jax.vmap(lambda row: quantize.encode(row, fmt))(rows)
+    decoded = jax.vmap(lambda p: quantize.decode(p, fmt, (n,)))(payload)
+    return payload, rows - decoded
+
+
+def _gather_replicas(payload: quantize.Payload, axis_name: str) -> quantize.Payload:
+    """All replicas' payloads, rows in replica order: every device's K local rows, device by device."""
+    gathered = jax.lax.all_gather(payload, axis_name, to="invarying")  # leaves (devices, K, ...)
+    return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), gathered)
+
+
 def exchange_sum(
-    flat: Float32[Array, " n"],
-    weight: Float32[Array, ""],
+    flat: Float32[Array, "*K n"],
+    weight: Float32[Array, "*K"],
     fmt: str,
     *,
     axis_name: str = "diloco",
     method: str,
-) -> tuple[Float32[Array, " n"], Float32[Array, " n"]]:
+) -> tuple[Float32[Array, " n"], Float32[Array, "*K n"]]:
     """Sum over replicas of `weight_r * decode(encode(flat_r))`; call inside `jax.shard_map`.
 
     **Arguments:**
 
-    - `flat`: this replica's vector (float32, 1-D, same length on every replica). Varies
-      over `axis_name`; replicated over any other mesh axis.
-    - `weight`: scalar, 0 or 1 (any value > 0 counts as 1): 0 leaves this replica out of
-      the sum (its values may then be non-finite).
+    - `flat`: this device's replicas' vectors: (n,) for one replica per device, or (K, n)
+      for K replicas on each device along `axis_name` (replica i K + k is row k on device
+      i). Float32, the same n everywhere. Varies over `axis_name`; replicated over any
+      other mesh axis.
+    - `weight`: () or (K,), 0 or 1 per replica (any value > 0 counts as 1): 0 leaves that
+      replica out of the sum (its values may then be non-finite).
     - `fmt`: wire format, one of `quantize.FORMATS`.
-    - `axis_name`: the replica mesh axis.
-    - `method`: "psum", "gather", "two_phase" or "auto" (see `resolve_method`; the axis size
-      is read from the mesh).
+    - `axis_name`: the mesh axis along which devices hold different replicas.
+    - `method`: "psum", "gather", "two_phase" or "auto" (see `resolve_method`; R is the axis
+      size times K).
 
-    **Returns:** `(total, own_error)`. `total` (n,) float32 is the same on every replica
-    (invariant over `axis_name`: it may leave the shard_map with `P()`), for
-    "two_phase" it is the decoded re-encoded sum. `own_error` (n,) float32 is what this
-    replica's error-feedback residual should become (module docstring: its phase-1 rounding
-    error, plus, for two-phase, the owner's re-encoding error of the chunk it owns; zeros
-    for a lossless exchange). Unused outputs cost nothing under `jit`.
+    **Returns:** `(total, own_error)`. `total` (n,) float32 is the same on every device
+    (invariant over `axis_name`: it may leave the shard_map with `P()`), for "two_phase" it
+    is the decoded re-encoded sum. `own_error`, shaped like `flat`, is what each replica's
+    error-feedback residual should become (module docstring: its phase-1 rounding error,
+    plus, for two-phase, the owner's re-encoding error of the chunk it owns; zeros for a
+    lossless exchange). Unused outputs cost nothing under `jit`. A device's K replicas
+    count as K replicas everywhere: in the sum, in the order of the additions and in the
+    chunk each owns, so the result does not depend on how replicas are placed on devices.
     """
     quantize._check(fmt)
-    R = jax.lax.axis_size(axis_name)
+    if flat.ndim not in (1, 2) or jnp.ndim(weight) != flat.ndim - 1:
+        raise ValueError(f"exchange_sum takes a flat vector (n,) or rows (K, n) with weights () or (K,), got shapes "
+                         f"{flat.shape} and {jnp.shape(weight)}")
+    one = flat.ndim == 1
+    rows = (flat[None] if one else flat).astype(jnp.float32)
+    keep = (jnp.reshape(weight, (-1,)) > 0)
+    R = jax.lax.axis_size(axis_name) * rows.shape[0]
     method = resolve_method(method, R, fmt)
-    flat = flat.astype(jnp.float32)
-    if flat.ndim != 1:
-        raise ValueError(f"exchange_sum takes a flat vector, got shape {flat.shape}")
-    keep = weight > 0
-    n = flat.shape[0]
+    total, own_error = _exchange_rows(rows, keep, fmt, axis_name=axis_name, method=method, R=R)
+    return total, own_error[0] if one else own_error
 
+
+def _exchange_rows(rows, keep, fmt: str, *, axis_name: str, method: str, R: int):
+    K, n = rows.shape
     if method == "psum":
-        total = jax.lax.psum(jnp.where(keep, flat, jnp.zeros_like(flat)), axis_name)
-        return total, jnp.zeros_like(flat)
+        local = jnp.sum(jnp.where(keep[:, None], rows, jnp.zeros_like(rows)), axis=0)
+        return jax.lax.psum(local, axis_name), jnp.zeros_like(rows)
 
+    zero_skipped = jax.vmap(_zero_if_skipped)
     if method == "gather":
-        payload = quantize.encode(flat, fmt)
-        own_error = flat - quantize.decode(payload, fmt, (n,))
-        gathered = jax.lax.all_gather(_zero_if_skipped(payload, keep), axis_name, to="invarying")
+        payload, own_error = _encode_rows(rows, fmt)
+        gathered = _gather_replicas(zero_skipped(payload, keep), axis_name)
         return _sum_rows(gathered, fmt, n, R), own_error
 
     # two_phase
     c = chunk_size(n, fmt, R)
-    padded = jnp.pad(flat, (0, R * c - n))
-    # One encode of the padded vector is exactly the R chunks' encodes side by side (chunks
-    # are whole blocks); reshape every leaf to a leading chunk axis.
-    payload = quantize.encode(padded, fmt)
-    e1 = padded - quantize.decode(payload, fmt, (R * c,))
-    chunks = jax.tree.map(lambda leaf: leaf.reshape(R, -1, *leaf.shape[1:]), _zero_if_skipped(payload, keep))
-    # Phase 1 (reduce-scatter): row s of what arrives is chunk `me` of replica s.
-    received = jax.tree.map(lambda leaf: jax.lax.all_to_all(leaf, axis_name, 0, 0), chunks)
-    owned = _sum_rows(received, fmt, c, R)
+    padded = jnp.pad(rows, ((0, 0), (0, R * c - n)))
+    # One encode of a padded row is exactly its R chunks' encodes side by side (chunks are
+    # whole blocks); give every leaf a (K, devices, K, ...) layout: sender, owner's device, owner.
+    payload, e1 = _encode_rows(padded, fmt)
+    devices = R // K
+    chunks = jax.tree.map(lambda leaf: leaf.reshape(K, devices, K, -1, *leaf.shape[2:]), zero_skipped(payload, keep))
+    # Phase 1 (reduce-scatter): after the all_to_all, axis 1 is the sending device; reorder to
+    # (owner k, sender replica), senders in replica order.
+    received = jax.tree.map(lambda leaf: jax.lax.all_to_all(leaf, axis_name, 1, 1), chunks)
+    received = jax.tree.map(lambda leaf: jnp.moveaxis(leaf, 2, 0).reshape(K, R, *leaf.shape[3:]), received)
+    owned = jax.vmap(lambda payloads: _sum_rows(payloads, fmt, c, R))(received)  # (K, c)
     if fmt == "none":
         reduced = quantize.Payload(data=owned, scales=None)
         e2 = jnp.zeros_like(owned)
     else:
-        reduced = quantize.encode(owned, fmt)
-        e2 = owned - quantize.decode(reduced, fmt, (c,))
+        reduced, e2 = _encode_rows(owned, fmt)
     # Phase 2 (all-gather): everyone gets every owner's encoded reduced chunk.
-    gathered = jax.lax.all_gather(reduced, axis_name, to="invarying")
-    total = quantize.decode(gathered, fmt, (c,)).reshape(R * c)[:n]
-    me = jax.lax.axis_index(axis_name)
-    own_error = jax.lax.dynamic_update_slice(e1, jax.lax.dynamic_slice(e1, (me * c,), (c,)) + e2, (me * c,))
-    return total, own_error[:n]
+    gathered = _gather_replicas(reduced, axis_name)
+    total = jax.vmap(lambda p: quantize.decode(p, fmt, (c,)))(gathered).reshape(R * c)[:n]
+    first = jax.lax.axis_index(axis_name) * K  # replica index of this device's row 0
+
+    def add_owned(e1_row, e2_row, k):
+        at = (first + k) * c
+        return jax.lax.dynamic_update_slice(e1_row, jax.lax.dynamic_slice(e1_row, (at,), (c,)) + e2_row, (at,))
+
+    own_error = jax.vmap(add_owned)(e1, e2, jnp.arange(K))
+    return total, own_error[:, :n]

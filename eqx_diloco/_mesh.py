@@ -1,10 +1,12 @@
 """Devices, processes and the ("diloco", "data") meshes.
 
-Replica r owns `--mesh.data` compute devices (row r of the compute mesh) and, when syncs
-overlap compute, one extra *communication device* (row r of the communication mesh). On
+Each row of the compute mesh owns `--mesh.data` compute devices and holds K replicas
+(`replicas_per_device`, 1 unless a process has fewer devices than replicas); when syncs
+overlap compute, each row has one extra *communication device* (its row of the
+communication mesh). On
 CPU hosts a collective inside the compute program, or a second program on the same
 device, blocks compute; a program on a second local device runs beside it. All devices
-of a replica live in one process, so moving data between its compute and communication
+of a row live in one process, so moving data between its compute and communication
 devices is a local copy.
 """
 
@@ -54,38 +56,74 @@ def ensure_cpu_devices(count: int) -> None:
 
 
 def build_meshes(
-    num_replicas: int, data: int = 1, *, comm_device: Literal["auto", "on", "off"] = "off"
+    num_replicas: int,
+    data: int = 1,
+    *,
+    comm_device: Literal["auto", "on", "off"] = "off",
+    replicas_per_device: int | None = None,
 ) -> tuple[Mesh, Mesh | None]:
-    """The compute mesh (R, data) and, if asked for, the communication mesh (R, 1).
+    """The compute mesh (R / K, data) and, if asked for, the communication mesh (R / K, 1).
 
     **Arguments:**
 
-    - `num_replicas`: R, the size of the `diloco` axis; must be divisible by the process count.
-    - `data`: devices per replica on the `data` axis.
-    - `comm_device`: `on` gives every replica one extra communication device; `auto` does
-      so on CPU only (where a second program on the same device would not overlap); `off`.
+    - `num_replicas`: R, replicas in all; must be divisible by the process count.
+    - `data`: devices per row on the `data` axis.
+    - `comm_device`: `on` gives every row one extra communication device; `auto` does so on
+      CPU only (where a second program on the same device would not overlap), and only
+      where the process has the devices for it; `off`.
+    - `replicas_per_device`: K, replicas held (and vmapped) by each row of the mesh; must
+      divide each process's R / process-count replicas. None picks the smallest K for which
+      the process has enough devices (1 where it has one row per replica).
 
-    Axis types are Auto so jit propagates shardings (shard_map then accepts inputs that are
-    not already laid out on the mesh).
+    Row i of the mesh holds replicas i K .. i K + K - 1. Axis types are Auto so jit
+    propagates shardings (shard_map then accepts inputs that are not already laid out on the
+    mesh).
     """
     R, D = num_replicas, data
     num_processes = jax.process_count()
     if R % num_processes:
         raise ConfigError(f"num_replicas must be divisible by the process count (got {R} and {num_processes})")
     local_replicas = R // num_processes
-    comm = comm_device == "on" or (comm_device == "auto" and jax.default_backend() == "cpu")
-    per_process = local_replicas * (D + int(comm))
-    compute_rows, comm_rows = [], []
-    for p in range(num_processes):
-        devices = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+    if replicas_per_device is not None and local_replicas % replicas_per_device:
+        raise ConfigError(
+            f"replicas_per_device must divide the replicas of each process (got {replicas_per_device} and "
+            f"{local_replicas} = num_replicas {R} / {num_processes} processes)"
+        )
+    by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                  for p in range(num_processes)]
+    have = min(len(devices) for devices in by_process)
+    platform = by_process[0][0].platform
+    comm_wanted = comm_device == "on" or (comm_device == "auto" and platform == "cpu")
+
+    def fits(k: int, comm: bool) -> bool:
+        return local_replicas // k * (D + int(comm)) <= have
+
+    divisors = [k for k in range(1, local_replicas + 1) if local_replicas % k == 0]
+    K, comm = replicas_per_device, comm_wanted
+    if K is None:
+        # Fewest replicas per device first; an automatic communication device is dropped
+        # before replicas are packed onto a device for it.
+        comm_options = [comm_wanted, False] if comm_device == "auto" and comm_wanted else [comm_wanted]
+        options = [(k, c) for k in divisors for c in comm_options]
+        K, comm = next((option for option in options if fits(*option)), (local_replicas, comm_wanted))
+    elif comm_device == "auto" and not fits(K, comm):
+        comm = False
+    rows = local_replicas // K
+    per_process = rows * (D + int(comm))
+    for p, devices in enumerate(by_process):
         if len(devices) < per_process:
-            raise ConfigError(
-                f"num_replicas x (data_parallel{' + 1 communication device' if comm else ''}) needs "
-                f"{per_process} devices per process, process {p} has {len(devices)} ({devices[0].platform}); "
-                f"on CPU call eqx_diloco.use_cpu_devices({per_process}) before JAX starts"
-            )
-        compute_rows.append(np.asarray(devices[: local_replicas * D]).reshape(local_replicas, D))
-        comm_rows.append(np.asarray(devices[local_replicas * D : per_process]).reshape(local_replicas, int(comm)))
+            comm_part = " + 1 communication device" if comm else ""
+            need = f"(num_replicas / replicas_per_device) x (data_parallel{comm_part})"
+            hint = (f"on CPU call eqx_diloco.use_cpu_devices({per_process}) before JAX starts"
+                    if platform == "cpu" else
+                    f"lower data_parallel{', set comm_device off' if comm else ''} or raise replicas_per_device "
+                    f"(a divisor of {local_replicas}) so that the replicas share the {len(devices)} {platform} devices")
+            raise ConfigError(f"{need} needs {per_process} devices per process, process {p} has {len(devices)} "
+                              f"({platform}); {hint}")
+    compute_rows, comm_rows = [], []
+    for devices in by_process:
+        compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, D))
+        comm_rows.append(np.asarray(devices[rows * D : per_process]).reshape(rows, int(comm)))
     auto = (AxisType.Auto, AxisType.Auto)
     mesh = Mesh(np.concatenate(compute_rows), AXES, axis_types=auto)
     comm_mesh = Mesh(np.concatenate(comm_rows), AXES, axis_types=auto) if comm else None

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
-from ._tree import all_finite
+from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
 from ._state import TrainState
 
@@ -60,52 +60,58 @@ def unflatten_like(flat: Array, like: list[Array]) -> list[Array]:
 def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, skip_nonfinite: bool):
     """Inside a shard_map body over `diloco`: the mean over replicas of each replica's `values`.
 
-    `values` is this replica's list of arrays (no replica axis), `finite` whether they are
-    all finite. With `skip_nonfinite` non-finite replicas are left out (if all are, the mean
-    is zero). `method` is a resolved `_exchange` method: `psum` is a float32 psum per leaf;
-    otherwise all leaves travel as one flat vector (one payload, one padded tail).
+    `values` is this device's list of arrays, each with a leading axis of its K local
+    replicas, and `finite` (K,) whether each replica's values are all finite. With
+    `skip_nonfinite` non-finite replicas are left out (if all are, the mean is zero).
+    `method` is a resolved `_exchange` method: `psum` is a float32 psum per leaf;
+    otherwise all leaves travel as one flat vector per replica (one payload, one padded tail).
 
-    **Returns:** `(means, own_error)`: the replicated means, and this replica's quantization
-    error for error feedback (None for psum), zeroed when its values are not finite so that
-    no NaN residual is carried into later syncs.
+    **Returns:** `(means, own_error)`: the replicated means (no replica axis), and each
+    local replica's quantization error for error feedback (None for psum), zeroed where its
+    values are not finite so that no NaN residual is carried into later syncs.
     """
-    weight = finite.astype(jnp.float32) if skip_nonfinite else jnp.float32(1.0)
+    weight = finite.astype(jnp.float32) if skip_nonfinite else jnp.ones(finite.shape, jnp.float32)
+    K = finite.shape[0]
     if method == "psum":
         # Lossless: a float32 psum of each replica's values (zeroed if it is skipped).
-        totals = [jax.lax.psum(jnp.where(weight > 0, v, jnp.zeros_like(v)), "diloco") for v in values]
+        totals = [exchange_sum(v.reshape(K, -1), weight, "none", method="psum")[0].reshape(v.shape[1:])
+                  for v in values]
         own_error = None
     else:
-        flat = jnp.concatenate([v.ravel() for v in values])
+        flat = jnp.concatenate([v.reshape(K, -1) for v in values], axis=1)
         total, error = exchange_sum(flat, weight, fmt, method=method)
-        totals = unflatten_like(total, values)
-        own_error = unflatten_like(jnp.where(finite, error, jnp.zeros_like(error)), values)
-    count = jnp.maximum(jax.lax.psum(weight, "diloco"), 1.0)
+        totals = unflatten_like(total, [v[0] for v in values])
+        error = jnp.where(finite[:, None], error, jnp.zeros_like(error))
+        offsets = np.cumsum([int(np.prod(v.shape[1:])) for v in values])[:-1]
+        own_error = [piece.reshape(v.shape) for piece, v in zip(jnp.split(error, offsets, axis=1), values)]
+    count = jnp.maximum(jax.lax.psum(jnp.sum(weight), "diloco"), 1.0)
     return [t / count for t in totals], own_error
 
 
 def mean_outer_gradient(
-    mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, exchange: str = "auto"
+    mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, exchange: str = "auto",
+    num_replicas: int | None = None,
 ) -> Callable[[list, list, list | None], tuple[list, Array, list | None]]:
     """shard_map'd `(replica_values, global_values, residuals) -> (mean_delta, finite, residuals)`.
 
-    `replica_values` and `residuals` carry a leading replica axis sharded over `diloco`;
-    `global_values` and the returned mean are replicated. `finite` is (R,): whether each
-    replica's outer gradient was finite. With `skip_nonfinite`, non-finite replicas are
-    left out of the mean (if all are, the mean is zero). `exchange` is the collective (see
-    `_exchange`): `auto` is a float32 psum per leaf for format `none`, the one-shot payload
-    all-gather at R <= 2 and the two-phase reduce-scatter + all-gather at R > 2; `gather`
-    or `two_phase` force one (also for format `none`, which tests use).
+    `replica_values` and `residuals` carry a leading replica axis sharded over `diloco`
+    (K = R / mesh rows replicas per row); `global_values` and the returned mean are
+    replicated. `finite` is (R,): whether each replica's outer gradient was finite. With
+    `skip_nonfinite`, non-finite replicas are left out of the mean (if all are, the mean
+    is zero). `exchange` is the collective (see `_exchange`): `auto` is a float32 psum per
+    leaf for format `none`, the one-shot payload all-gather at R <= 2 and the two-phase
+    reduce-scatter + all-gather at R > 2; `gather` or `two_phase` force one (also for
+    format `none`, which tests use). `num_replicas` defaults to the mesh's rows (K = 1).
     """
-    method = resolve_method(exchange, mesh.shape["diloco"], fmt)
+    method = resolve_method(exchange, num_replicas or mesh.shape["diloco"], fmt)
 
     def body(replica_values, global_values, residuals):
-        deltas = [g - r[0] for g, r in zip(global_values, replica_values)]
+        deltas = [g[None] - r.astype(g.dtype) for g, r in zip(global_values, replica_values)]
         if error_feedback:
-            deltas = [d + e[0] for d, e in zip(deltas, residuals)]
-        finite = all_finite(deltas)
-        means, own_error = replica_mean(deltas, finite, fmt=fmt, method=method, skip_nonfinite=skip_nonfinite)
-        new_residuals = [e[None] for e in own_error] if error_feedback else None
-        return means, finite[None], new_residuals
+            deltas = [d + e for d, e in zip(deltas, residuals)]
+        finite = row_finite(deltas)
+        means, new_residuals = replica_mean(deltas, finite, fmt=fmt, method=method, skip_nonfinite=skip_nonfinite)
+        return means, finite, new_residuals if error_feedback else None
 
     return jax.shard_map(
         body,
@@ -191,6 +197,7 @@ class OuterSync:
     - `shardings`: the train state's shardings (outputs are pinned to them).
     - `comm_mesh`: where overlapped syncs run (`launch`); None runs them on `mesh`.
     - `exchange`: the collective of quantized syncs: `auto`, `gather` or `two_phase`.
+    - `num_replicas`: R, when the mesh's rows hold several replicas each (default: its rows).
 
     Two ways to sync a group: `sync` (or `sync_and_merge`) updates the state in one program
     on the compute mesh; `launch` copies the group's values to the communication mesh and
@@ -211,11 +218,13 @@ class OuterSync:
         shardings: TrainState,
         comm_mesh: Mesh | None = None,
         exchange: str = "auto",
+        num_replicas: int | None = None,
     ):
         self.mesh, self.groups, self.outer_opt, self.fmt, self.alpha = mesh, groups, outer_opt, fmt, alpha
         self.skip_nonfinite, self.error_feedback = skip_nonfinite, error_feedback
         self.shardings, self.comm_mesh, self.exchange = shardings, comm_mesh, exchange
-        flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback, exchange=exchange)
+        flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback, exchange=exchange,
+                     num_replicas=num_replicas)
         exchange = mean_outer_gradient(self.mesh, self.fmt, **flags)
         comm_mesh = self.comm_mesh or self.mesh
         comm_core = self._core(mean_outer_gradient(comm_mesh, self.fmt, **flags))
@@ -300,7 +309,9 @@ class OuterSync:
             if alpha == 0.0:  # plain replacement, bit-exact
                 merged = [jnp.broadcast_to(g, r.shape) for r, g in zip(replica_values, global_values)]
             else:
-                merged = [alpha * r + (1.0 - alpha) * jnp.broadcast_to(g, r.shape) for r, g in zip(replica_values, global_values)]
+                merged = [alpha * r.astype(g.dtype) + (1.0 - alpha) * jnp.broadcast_to(g, r.shape)
+                          for r, g in zip(replica_values, global_values)]
+            merged = cast_like(merged, replica_values)  # theta_g may be wider than the model's dtype
             return dataclasses.replace(state, params=group.put(state.params, merged, layer_axis=1))
 
         return merge

@@ -81,13 +81,13 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         overlapped = OverlappedOuter(
             mesh=d.mesh, comm_mesh=d.comm_mesh, groups=groups, outer_opt=d.outer_optimizer, mode=d.outer_overlap,
             fmt=d.quantize, exchange=d.exchange, skip_nonfinite=skip, error_feedback=d.error_feedback,
-            shardings=shardings,
+            shardings=shardings, num_replicas=d.num_replicas,
         )
     elif d.is_diloco:
         outer = OuterSync(
             mesh=d.mesh, groups=groups, outer_opt=d.outer_optimizer, fmt=d.quantize, alpha=d.alpha,
             skip_nonfinite=skip, error_feedback=d.error_feedback, shardings=shardings, comm_mesh=d.comm_mesh,
-            exchange=d.exchange,
+            exchange=d.exchange, num_replicas=d.num_replicas,
         )
     all_shapes = [x.shape for x in jax.tree.leaves(abstract)]
     return Programs(
@@ -96,6 +96,6 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         router_group=d.num_fragments if separate is not None else None,
         static=static, build_kwargs=build_kwargs, abstract_state=abstract_state, shardings=shardings,
         inner_step=inner_step, outer=outer, overlapped=overlapped,
-        ddp_step_bytes=sync_nbytes(all_shapes, "none"),
+        ddp_step_bytes=sync_nbytes(all_shapes, "none") if d.num_replicas > 1 else 0,
         ddp_step_wire_bytes=sync_wire_nbytes(all_shapes, "none", d.num_replicas),
     )

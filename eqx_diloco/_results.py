@@ -163,9 +163,13 @@ class Results:
     def global_model(self, state: TrainState) -> PyTree:
         """The model to evaluate or export: theta_g (replica 0 for ddp), an instance of your model class.
 
-        In-flight syncs are included without consuming `state`; the arrays are a copy.
+        In-flight syncs are included without consuming `state`; the arrays are a copy, in the
+        dtypes of the model that was bound (theta_g itself is float32 for bfloat16 parameters).
         """
         _require(self._programs is not None, "call init(model) (or restore) before global_model")
-        # A copy: the next step donates the state, and the model handed out must outlive it.
-        return eqx.combine(jax.tree.map(jnp.copy, self.global_params(state)), self.static)
+        # A copy: the next step donates the state, and the model handed out must outlive it. In the
+        # model's own dtypes: theta_g is float32 where the model's parameters are narrower.
+        model_dtypes = jax.tree.map(lambda x: x.dtype, self.abstract_state.params)
+        params = jax.tree.map(lambda x, dtype: jnp.astype(x, dtype, copy=True), self.global_params(state), model_dtypes)
+        return eqx.combine(params, self.static)
 

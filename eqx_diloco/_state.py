@@ -10,7 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, UInt32
 
-from ._tree import broadcast_replicas
+from ._tree import broadcast_replicas, outer_dtype
 from ._groups import ParamGroup
 
 PyTree = Any
@@ -30,6 +30,7 @@ class TrainState(eqx.Module):
     - `opt_state`: every replica's inner optimizer state (leading axis R). Never synced or reset.
     - `keys`: per-replica PRNG key data, shape (R, 2), for dropout.
     - `global_params`: the outer parameters theta_g, identical on every replica (None for ddp).
+      Float32 where the model's parameters are bfloat16 or float16, as is all outer state.
     - `outer_states`: one outer optimizer state per parameter group, over that group's values.
     - `residuals`: per group, each replica's quantization residual (error feedback), or None.
     - `mail_mean`: with whole-round overlap (`outer_overlap` delayed / eager), per group the
@@ -81,6 +82,8 @@ def build_state(
     step = jnp.zeros((), jnp.int32)
     if outer_opt is None:
         return TrainState(step, replica_params, opt_state, keys, None, (), None)
+    # theta_g and everything outer stay float32 for narrower parameters (see `outer_dtype`).
+    params = jax.tree.map(lambda x: x.astype(outer_dtype(x.dtype)), params)
     values = [group.get(params) for group in groups]
     outer_states = tuple(outer_opt.init(v) for v in values)
     residuals = None

@@ -1,9 +1,10 @@
 """The inner step: every replica takes one optimizer step on its own batch.
 
-It runs under `jax.shard_map` over the whole mesh. Each `diloco` shard is one replica;
-inside it, the loss is averaged over the `data` axis, so the gradient is the gradient of
-the replica's whole batch (the psum over `data` comes from differentiating the pmean).
-For `ddp` the gradients are averaged over `diloco` too, which keeps all replicas equal.
+It runs under `jax.shard_map` over the whole mesh. Each `diloco` shard holds K replicas
+(one, unless replicas share devices), stepped together under `jax.vmap`; inside a replica,
+the loss is averaged over the `data` axis, so the gradient is the gradient of the
+replica's whole batch (the psum over `data` comes from differentiating the pmean).
+For `ddp` the gradients are averaged over all replicas too, which keeps them equal.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._tree import all_finite, squeeze_replica, unsqueeze_replica
+from ._tree import all_finite
 from ._state import TrainState
 
 PyTree = Any
@@ -36,7 +37,7 @@ def make_inner_step(
 
     **Arguments:**
 
-    - `mesh`: the ("diloco", "data") mesh; one replica per `diloco` index.
+    - `mesh`: the ("diloco", "data") mesh; each `diloco` row holds R / rows replicas (vmapped).
     - `inner_opt`: the per-replica optimizer.
     - `loss_fn`: `loss_fn(model, batch, key) -> (loss, aux)` for one replica's share of
       the batch on one `data` device; `aux` is a dict of arrays (may be empty).
@@ -50,7 +51,7 @@ def make_inner_step(
     outputs (averaged over `data`) with a leading replica axis.
     """
 
-    def replica_step(params, opt_state, key_data, batch):
+    def replica_grads(params, key_data, batch):
         key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
         # Each data shard holds different rows of the replica's batch: give it its own key.
         shard_key = jax.random.fold_in(step_key, jax.lax.axis_index("data"))
@@ -61,8 +62,9 @@ def make_inner_step(
             return jax.lax.pmean(loss, "data"), jax.lax.pmean(aux, "data")
 
         (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
-        if ddp:
-            grads = jax.lax.pmean(grads, "diloco")
+        return loss, aux, grads, jax.random.key_data(key)
+
+    def replica_update(params, opt_state, grads, loss):
         with jax.numpy_dtype_promotion("standard"):  # optax's bias correction computes float ** int32
             updates, new_opt_state = inner_opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -70,13 +72,19 @@ def make_inner_step(
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite, **aux}
-        return new_params, new_opt_state, jax.random.key_data(key), metrics
+        return new_params, new_opt_state, finite
 
     def shard_step(params, opt_state, key_data, batch):
-        # One replica per diloco shard: drop the local replica axis of length 1 and add it back.
-        out = replica_step(squeeze_replica(params), squeeze_replica(opt_state), key_data[0], squeeze_replica(batch))
-        return unsqueeze_replica(out)
+        # Every leaf has a leading axis of the K replicas this diloco row holds (1 unless
+        # replicas share a device): one vmapped step for all of them.
+        loss, aux, grads, key_data = jax.vmap(replica_grads)(params, key_data, batch)
+        if ddp:  # the mean over all R replicas: this row's K, then the rows
+            mean = jax.tree.map(lambda g: jax.lax.pmean(jnp.mean(g, axis=0), "diloco"), grads)
+            grads = jax.tree.map(lambda m, g: jnp.broadcast_to(m, g.shape), mean, grads)
+        params, opt_state, finite = jax.vmap(replica_update)(params, opt_state, grads, loss)
+        grad_norm = jax.vmap(optax.tree.norm)(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **aux}
+        return params, opt_state, key_data, metrics
 
     replica = PartitionSpec("diloco")
     sharded_step = jax.shard_map(

@@ -100,7 +100,8 @@ def make_sync_groups(d: "DiLoCo", programs: "Programs", params: PyTree) -> tuple
             first_sync, period = (index + 1) * (H // P), H
         sync_groups.append(SyncGroup(
             index=index, first_sync=first_sync, period=period,
-            sent_bytes=sync_nbytes(shapes, d.quantize, d.num_replicas, d.exchange),
+            # One replica has no peer: its syncs stay on the device.
+            sent_bytes=sync_nbytes(shapes, d.quantize, d.num_replicas, d.exchange) if d.num_replicas > 1 else 0,
             wire_bytes=sync_wire_nbytes(shapes, d.quantize, d.num_replicas, d.exchange),
             programs=programs,
         ))

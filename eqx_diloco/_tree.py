@@ -27,14 +27,18 @@ def row_finite(tree: PyTree) -> Bool[Array, " R"]:
     return jnp.all(jnp.stack(rows), axis=0)
 
 
-def squeeze_replica(tree: PyTree) -> PyTree:
-    """Drop the local replica axis (of length 1) that every leaf carries inside a shard_map body."""
-    return jax.tree.map(lambda x: x[0], tree)
+def outer_dtype(dtype) -> jnp.dtype:
+    """The dtype DiLoCo keeps outer state in for parameters of `dtype`: float32 for floats narrower
+    than 32 bits (bfloat16, float16), whose rounding would swallow small outer steps; else `dtype`."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dtype
 
 
-def unsqueeze_replica(tree: PyTree) -> PyTree:
-    """Add back the local replica axis of length 1."""
-    return jax.tree.map(lambda x: x[None], tree)
+def cast_like(values: list[Array], like: list[Array]) -> list[Array]:
+    """Each of `values` in the dtype of its partner in `like` (no-op where they agree)."""
+    return [v.astype(x.dtype) for v, x in zip(values, like)]
 
 
 def broadcast_replicas(tree: PyTree, num_replicas: int) -> PyTree:

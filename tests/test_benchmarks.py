@@ -185,3 +185,16 @@ def test_overlap_pairs_each_method_with_its_neighbouring_compute_only_runs():
     assert utilization["sd"] == pytest.approx(sd)
     assert utilization["ci95"] == pytest.approx(4.303 * sd / 3 ** 0.5)
     assert out["bytes_per_sync"] == 5
+
+@pytest.mark.slow  # starts one process per variant
+def test_gpu_benchmark_smoke_runs_every_variant_and_says_when_torch_is_missing(tmp_path):
+    from benchmarks import gpu
+
+    results = gpu.main(["--smoke", "--out-dir", str(tmp_path), "--torch-python", str(tmp_path / "no-python")])
+    rows = results["shapes"]["smoke"]["rows"]
+    for variant in ("plain", "inner-r1", "inner-r2", "round"):
+        assert rows[variant]["tokens_per_s"] > 0 and 0 < rows[variant]["mfu"], (variant, rows[variant])
+    assert rows["inner-r2"]["tokens_per_step"] == 2 * rows["inner-r1"]["tokens_per_step"]  # two replicas, one device
+    assert rows["torch"]["error"].startswith(("torch is not installed", "no PyTorch reference at"))
+    table = (tmp_path / "gpu.md").read_text()
+    assert "| inner-r2 |" in table and "| torch | " in table

@@ -131,7 +131,9 @@ def test_bad_layers_are_refused_with_the_argument_named(overrides, message):
         (dict(quantize="int3"), "quantize must be one of"),
         (dict(error_feedback=True), "error_feedback needs a lossy quantize format"),
         (dict(algorithm="ddp", num_fragments=3), "num_fragments applies to algorithm diloco only"),
-        (dict(num_replicas=50), "eqx_diloco.use_cpu_devices(50)"),
+        (dict(num_replicas=50, replicas_per_device=1), "eqx_diloco.use_cpu_devices(50)"),
+        (dict(num_replicas=4, replicas_per_device=3), "replicas_per_device must divide num_replicas (got K=3, R=4)"),
+        (dict(replicas_per_device=0), "replicas_per_device must be an int >= 1 or None"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_argument_named(overrides, message):

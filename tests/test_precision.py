@@ -163,8 +163,6 @@ def test_the_core_keeps_float32_outer_state_for_a_float32_model():
     assert floats and set(floats) == {jnp.dtype(jnp.float32)}
 
 
-@pytest.mark.xfail(strict=True, reason="the DiLoCo core keeps theta_g and the outer momentum in the model's own "
-                                       "dtype: bfloat16 parameters give bfloat16 outer state (issue #31, item 1)")
 def test_the_core_keeps_float32_outer_state_for_a_model_with_bfloat16_parameters():
     from custom_model import StackedMLP, loss_fn, make_batch
 
@@ -180,6 +178,13 @@ def test_the_core_keeps_float32_outer_state_for_a_model_with_bfloat16_parameters
         state, _ = diloco.step(state, (x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)))
     floats = [x.dtype for x in jax.tree.leaves((state.global_params, state.outer_states)) if eqx.is_inexact_array(x)]
     assert floats and set(floats) == {jnp.dtype(jnp.float32)}, set(floats)
+    # The replicas keep the model's dtype, and so does the model handed back.
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    global_model = diloco.global_model(state)
+    assert {x.dtype for x in jax.tree.leaves(eqx.filter(global_model, eqx.is_inexact_array))} == {jnp.dtype(jnp.bfloat16)}
+    # theta_g moved by the outer step in float32: it is not a bfloat16 value everywhere.
+    theta = jnp.concatenate([x.ravel() for x in jax.tree.leaves(state.global_params)])
+    assert bool(jnp.any(theta != theta.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
 def test_cli_refuses_cudnn_where_it_cannot_run_with_one_line_naming_the_flag():

@@ -15,7 +15,7 @@ import pytest
 
 from eqx_diloco.lm._banner import describe_setup, finished_message, format_summary, model_size
 from eqx_diloco.lm._cache import default_cache_dir, enable_compilation_cache
-from eqx_diloco.lm.config import Config, DiLoCoConfig
+from eqx_diloco.lm.config import Config, DiLoCoConfig, MeshConfig
 from eqx_diloco.lm.export import main as export_main
 from eqx_diloco.lm.train import main as train_main
 from models import Transformer, TransformerConfig
@@ -64,13 +64,19 @@ def test_describe_setup_names_the_run():
     assert "eqx_diloco: DDP" in describe_setup(Config(algorithm="ddp"))
     off = describe_setup(dataclasses.replace(config, compile_cache=False))
     assert "persistent cache off" in off
+    assert "  compute      float32 matmuls, float32 parameters; xla attention; remat none; scan unroll 1" in text
+    shared = describe_setup(Config(mesh=MeshConfig(replicas_per_device=2)))
+    assert "mesh         diloco=2 x data=1, 2 replicas per device (vmapped)" in shared
+    # More replicas than devices (tests/conftest.py gives 12): packed two per device, and said so.
+    packed = describe_setup(Config(diloco=DiLoCoConfig(num_replicas=24)))
+    assert "packing      2 replicas per device (vmapped), too few devices for one each" in packed
 
 
 def test_cli_prints_the_banner_first(tmp_path, capsys):
     assert train_main([*TINY, "--train.steps", "2", "--checkpoint.every", "0", "--run-dir", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("eqx_diloco: DiLoCo, R=2 replicas, H=2")
-    assert any(line.startswith("  compilation  cached in ") for line in out[:8])
+    assert any(line.startswith("  compilation  cached in ") for line in out[:10])
 
 
 def test_help_usage_names_the_module(capsys):

@@ -80,7 +80,9 @@ def setup_lines(config) -> list[str]:
     d, t, m = config.diloco, config.train, config.model
     count, nbytes = model_size(config)
     kind = "mixture-of-experts" if m.kind == "moe" else "dense"
-    mesh = f"diloco={d.num_replicas} x data={config.mesh.data}"
+    K = config.mesh.replicas_per_device
+    shared = f", {K} replicas per device (vmapped)" if K > 1 else ""
+    mesh = f"diloco={d.num_replicas} x data={config.mesh.data}{shared}"
     tokens_per_step = d.num_replicas * t.batch_size * t.seq_len
     data = {"corpus": "embedded corpus (stdlib source, bytes)", "synthetic": "synthetic pattern"}.get(
         config.data.source, f"{config.data.source} {config.data.path}")
@@ -134,7 +136,39 @@ def runtime_lines(config) -> list[str]:
         islands = [f"  islands      {island_map(d.num_replicas, num_processes)}"]
     cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None
     cache = f"cached in {cache_dir}" if cache_dir else "persistent cache off"
-    return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, f"  compilation  {cache}"]
+    return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config),
+            *_compute_lines(config), f"  compilation  {cache}"]
+
+
+def _packing_lines(config) -> list[str]:
+    """A line when `--mesh.replicas-per-device 0` packs several replicas onto each device (too few
+    devices for one each)."""
+    from .._errors import ConfigError
+    from ._devices import make_meshes
+
+    if config.mesh.replicas_per_device:
+        return []  # the mesh line says it
+    try:
+        mesh, _ = make_meshes(config)
+    except ConfigError:
+        return []  # the trainer's own set-up reports it
+    K = config.diloco.num_replicas // mesh.shape["diloco"]
+    line = (f"  packing      {K} replicas per device (vmapped), too few devices for one each "
+            "(--mesh.replicas-per-device 0)")
+    return [line] if K > 1 else []
+
+
+def _compute_lines(config) -> list[str]:
+    """How the bundled model computes once the backend is known: dtype, attention kernel, layers."""
+    m = config.model
+    try:
+        attention = m.attention_impl()
+    except ValueError:
+        return []  # the trainer refuses it with its own line
+    unroll = "all layers unrolled" if m.scan_unroll == 0 else f"scan unroll {m.scan_unroll}"
+    line = (f"  compute      {m.compute_dtype()} matmuls, float32 parameters; {attention} attention; "
+            f"remat {m.remat}; {unroll}")
+    return [line]
 
 
 def island_map(num_replicas: int, num_processes: int) -> str:
@@ -198,7 +232,9 @@ def format_summary(summary: dict[str, Any], config) -> str:
     lines = [head]
     sent = summary.get("sent_bytes")
     if sent is not None:
-        if config.algorithm == "ddp" or not ddp_bytes:
+        if config.diloco.num_replicas == 1:
+            lines.append("  sent         nothing: one replica has no peer to sync with (--diloco.num-replicas 1)")
+        elif config.algorithm == "ddp" or not ddp_bytes:
             lines.append(f"  sent         {format_bytes(sent)} per replica (DDP: a float32 gradient every step)")
         else:
             ratio = ddp_bytes / sent if sent else math.inf

@@ -192,7 +192,8 @@ def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
     check_backend(config, jax.default_backend(), cudnn_backend(jax.devices()[0]))
     d = config.diloco
     overlapped = config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
-    return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off")
+    return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off",
+                        replicas_per_device=config.mesh.replicas_per_device or None)
 
 
 # A test hook, read here only: "P:T" makes the process with JAX process index P raise at step T, as a

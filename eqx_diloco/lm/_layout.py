@@ -91,7 +91,8 @@ def wants_comm_device(config: "Config") -> bool:
 
 
 def devices_needed(config: "Config") -> int:
-    """Devices per process: `--mesh.data` per local replica, plus one per replica for communication."""
+    """Devices per process: `--mesh.data` per row of K replicas (`--mesh.replicas-per-device`, 1 when
+    automatic), plus one per row for communication. CPU runs simulate this many."""
     layout = process_layout(config)
     num_processes, process_id = layout.num_processes, layout.process_id
     R = config.diloco.num_replicas
@@ -103,5 +104,9 @@ def devices_needed(config: "Config") -> int:
     if not 0 <= process_id < num_processes:
         raise ConfigError(f"{layout.source('id')} must be in [0, {num_processes}) (got {process_id})")
     local_replicas = R // num_processes
-    return local_replicas * (config.mesh.data + int(wants_comm_device(config)))
+    K = config.mesh.replicas_per_device or 1
+    if local_replicas % K:
+        raise ConfigError(f"--mesh.replicas-per-device must divide the replicas of each process (got {K} and "
+                          f"{local_replicas} = --diloco.num-replicas {R} / {num_processes} processes)")
+    return local_replicas // K * (config.mesh.data + int(wants_comm_device(config)))
 

@@ -114,6 +114,8 @@ class MeshConfig:
 
     data: int = 1
     """devices per replica on the `data` mesh axis (ordinary data parallelism inside a replica). The `diloco` axis gets one device per replica."""
+    replicas_per_device: int = 0
+    """K: replicas that share one device (one row of `--mesh.data` devices), stepped together under `jax.vmap`; each sync sums the K local outer gradients, then exchanges over `diloco`. Must divide the replicas of each process. 0 = 1 where the process has devices enough (CPU runs make them), else the smallest K that fits: R replicas train on one GPU. Results do not depend on K; resume may change it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +235,7 @@ FLAGS = {
     "error_feedback": "--diloco.error-feedback", "outer_overlap": "--diloco.outer-overlap",
     "exchange": "--diloco.exchange", "router_sync_period": "--diloco.router-sync-period",
     "on_nonfinite": "--train.on-nonfinite", "data_parallel": "--mesh.data", "comm_device": "--diloco.comm-device",
-    "algorithm": "--algorithm",
+    "algorithm": "--algorithm", "replicas_per_device": "--mesh.replicas-per-device",
 }
 
 
@@ -288,6 +290,8 @@ def validate(config: Config) -> None:
         _require(math.isfinite(value), f"{flag} must be a finite number (got {value})")
     _require(str(config.run_dir) not in ("", "."), "--run-dir must name a folder (got an empty path or '.')")
     _require(train.seed >= 0, f"--train.seed must be >= 0 (got {train.seed})")
+    _require(config.mesh.replicas_per_device >= 0,
+             f"--mesh.replicas-per-device must be >= 0 (0 = automatic; got {config.mesh.replicas_per_device})")
     _require(0 <= train.b1 < 1, f"--train.b1 must be in [0, 1) (got {train.b1})")
     _require(0 <= train.b2 < 1, f"--train.b2 must be in [0, 1) (got {train.b2})")
     _require(m.rope_base > 0, f"--model.rope-base must be > 0 (got {m.rope_base})")
@@ -379,12 +383,15 @@ def validate(config: Config) -> None:
             error_feedback=d.error_feedback, outer_overlap=d.outer_overlap, exchange=d.exchange,
             router_sync_period=d.router_sync_period, has_routers=m.kind == "moe", on_nonfinite=train.on_nonfinite,
             data_parallel=config.mesh.data, comm_device=d.comm_device, algorithm=config.algorithm,
+            replicas_per_device=config.mesh.replicas_per_device or None,
         )
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None
     if config.algorithm == "ddp":
         return
     if config.elastic.enabled:
+        _require(config.mesh.replicas_per_device <= 1, "--elastic.enabled needs one replica per process and device "
+                 f"(--mesh.replicas-per-device 0 or 1, got {config.mesh.replicas_per_device})")
         _require(d.outer_overlap == "none", f"--elastic.enabled needs --diloco.outer-overlap none (got {d.outer_overlap}): "
                  "a whole-round exchange is always in flight, so there is no sync boundary to snapshot")
         _require(config.elastic.keep_snapshots >= 2,
