@@ -223,6 +223,11 @@ def test_memory_estimate_names_the_flag_that_does_not_fit():
         check_memory(config, available=batch - 1)
     # Two processes each hold half the replicas.
     assert memory_estimates(config, num_processes=2)["--train.batch-size"] * 2 == batch
+    # bfloat16 compute and rematerialisation shrink what a step keeps; the lightest saves least.
+    step = lambda **model: memory_estimates(Config(model=TransformerConfig(**model)))["--train.batch-size"]  # noqa: E731
+    assert step(dtype="bfloat16") < batch
+    assert step(remat="block") < step(remat="dots") < step(remat="none") == batch
+    assert step(dtype="auto") == step(dtype="float32")  # host memory: a CPU run computes in float32
 
 
 def test_metrics_write_null_for_non_finite_numbers(tmp_path):

@@ -31,16 +31,18 @@ def _launch(num_processes, run_dir, *flags, launcher_flags=(), **popen):
 
 # Two of the four (processes x method) pairs: each pair costs about a minute of compiling. The
 # per-step values of the other processes are read at once in one and 2 steps late in the other
-# (the run's values and metrics lines must not depend on it).
+# (the run's values and metrics lines must not depend on it). In the 2-process run each process
+# holds its two replicas on one device (vmapped), against one device per replica in one process.
 @pytest.mark.slow
-@pytest.mark.parametrize(("num_processes", "streaming", "metrics_lag"), [(2, False, 0), (4, True, 2)],
-                         ids=["diloco-2-lag0", "streaming-tau1-4-lag2"])
-def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_processes, streaming, metrics_lag):
+@pytest.mark.parametrize(("num_processes", "streaming", "metrics_lag", "per_device"),
+                         [(2, False, 0, 2), (4, True, 2, 1)], ids=["diloco-2-lag0-k2", "streaming-tau1-4-lag2"])
+def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_processes, streaming, metrics_lag,
+                                                     per_device):
     diloco = dict(num_replicas=4, sync_period=6 if streaming else 2)
     flags = ["--diloco.num-replicas", "4", "--diloco.sync-period", str(diloco["sync_period"]),
              "--train.steps", str(STEPS), "--model.num-layers", "2", "--model.dim", "32", "--model.mlp-ratio", "2",
              "--train.lr", "0.01",
-             "--dist.metrics-lag", str(metrics_lag)]
+             "--dist.metrics-lag", str(metrics_lag), "--mesh.replicas-per-device", str(per_device)]
     if streaming:
         diloco.update(num_fragments=3, overlap_steps=1, alpha=0.5)
         flags += ["--diloco.num-fragments", "3", "--diloco.overlap-steps", "1", "--diloco.alpha", "0.5"]

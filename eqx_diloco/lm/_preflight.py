@@ -61,24 +61,32 @@ def available_memory_bytes() -> int:
 
 
 def memory_estimates(config: Config, num_processes: int = 1) -> dict[str, int]:
-    """Rough bytes of the biggest float32 arrays one process holds at once, by the flag that sets them.
+    """Rough bytes of the biggest arrays one process holds at once, by the flag that sets them.
 
-    - `--train.batch-size`: a training step over this process's replicas keeps the logits, their
-      softmax and their gradient (3 x sequences x seq_len x vocab) plus each layer's activations
-      for the backward pass (about (6 + 2 x mlp_ratio) x dim per token and layer).
+    - `--train.batch-size`: a training step over this process's replicas keeps the logits (in the
+      compute dtype), their float32 log-softmax and its gradient (vocab x (itemsize + 8) bytes per
+      token), plus what the backward pass saves of each layer: all its activations (about
+      (6 + 2 x mlp_ratio) x dim values per token) with `--model.remat none`, its matmul outputs
+      ((5 + mlp_ratio) x dim) with `dots`, and only its input (dim) with `block`, where one layer's
+      activations are rebuilt at a time.
     - `--train.eval-sequences`: an evaluation of the global model makes the logits of every
       held-out sequence at once, and their softmax.
 
-    Meant as a lower bound: parameters, optimizer state, attention scores and XLA's temporaries
-    are left out, so a refusal means the run could not fit, not that it might not.
+    The compute dtype is `--model.dtype` (`auto` counts as float32: this is host memory, which a
+    CPU run computes in). Meant as a lower bound: parameters, optimizer state, attention scores and
+    XLA's temporaries are left out, so a refusal means the run could not fit, not that it might not.
     """
     m, t = config.model, config.train
+    itemsize = 2 if m.dtype == "bfloat16" else 4
     local_replicas = max(1, config.diloco.num_replicas // max(1, num_processes))
     tokens = local_replicas * t.batch_size * t.seq_len
-    per_token = 3 * m.vocab_size + m.num_layers * (6 + 2 * m.mlp_ratio) * m.dim
+    every_activation = (6 + 2 * m.mlp_ratio) * m.dim
+    saved_per_layer = {"none": every_activation, "dots": (5 + m.mlp_ratio) * m.dim, "block": m.dim}[m.remat]
+    rebuilt = every_activation if m.remat == "block" else 0
+    per_token = m.vocab_size * (itemsize + 8) + (m.num_layers * saved_per_layer + rebuilt) * itemsize
     eval_tokens = t.eval_sequences * t.seq_len
     return {
-        "--train.batch-size": 4 * tokens * per_token,
+        "--train.batch-size": tokens * per_token,
         "--train.eval-sequences": 4 * eval_tokens * 2 * m.vocab_size,
     }
 
