@@ -24,9 +24,10 @@ AXES = ("diloco", "data")
 def use_cpu_devices(count: int) -> None:
     """Ask XLA for `count` simulated CPU devices; call it before any JAX computation.
 
-    A CPU-only machine has one device by default, and `DiLoCo` needs R x `data_parallel`
-    devices (plus one communication device per replica when syncs overlap compute). This sets JAX's global `jax_num_cpu_devices`, which can only
-    change before JAX creates its backends: `DiLoCo` never calls it for you.
+    A CPU-only machine has one device by default, and `DiLoCo` wants R x `data_parallel`
+    devices (plus one communication device per replica when syncs overlap compute; with fewer
+    it packs replicas onto devices). This sets JAX's global `jax_num_cpu_devices`, which can
+    only change before JAX creates its backends: `DiLoCo` never calls it for you.
 
     **Arguments:**
 
@@ -53,6 +54,21 @@ def ensure_cpu_devices(count: int) -> None:
         use_cpu_devices(count)
     except ConfigError:
         pass
+
+
+def too_few_devices(
+    need: int, *, process: int, have: int, platform: str, comm: bool, local_replicas: int
+) -> ConfigError:
+    """The one-line error for a process with `have` devices where the mesh needs `need`; what to do
+    differs between a CPU (simulate more) and an accelerator (share the devices)."""
+    comm_part = " + 1 communication device" if comm else ""
+    if platform == "cpu":
+        hint = f"on CPU call eqx_diloco.use_cpu_devices({need}) before JAX starts"
+    else:
+        hint = (f"lower data_parallel{', set comm_device off' if comm else ''} or raise replicas_per_device "
+                f"(a divisor of {local_replicas}) so that the replicas share the {have} {platform} devices")
+    return ConfigError(f"(num_replicas / replicas_per_device) x (data_parallel{comm_part}) needs {need} devices per "
+                       f"process, process {process} has {have} ({platform}); {hint}")
 
 
 def build_meshes(
@@ -112,14 +128,8 @@ def build_meshes(
     per_process = rows * (D + int(comm))
     for p, devices in enumerate(by_process):
         if len(devices) < per_process:
-            comm_part = " + 1 communication device" if comm else ""
-            need = f"(num_replicas / replicas_per_device) x (data_parallel{comm_part})"
-            hint = (f"on CPU call eqx_diloco.use_cpu_devices({per_process}) before JAX starts"
-                    if platform == "cpu" else
-                    f"lower data_parallel{', set comm_device off' if comm else ''} or raise replicas_per_device "
-                    f"(a divisor of {local_replicas}) so that the replicas share the {len(devices)} {platform} devices")
-            raise ConfigError(f"{need} needs {per_process} devices per process, process {p} has {len(devices)} "
-                              f"({platform}); {hint}")
+            raise too_few_devices(per_process, process=p, have=len(devices), platform=platform, comm=comm,
+                                  local_replicas=local_replicas)
     compute_rows, comm_rows = [], []
     for devices in by_process:
         compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, D))

@@ -134,6 +134,18 @@ def test_replicas_are_packed_only_when_devices_run_short():
         build_meshes(2 * have, replicas_per_device=1)
 
 
+def test_too_few_accelerator_devices_say_how_to_share_them():
+    from eqx_diloco._mesh import too_few_devices
+
+    error = str(too_few_devices(4, process=0, have=1, platform="gpu", comm=False, local_replicas=2))
+    assert error == ("(num_replicas / replicas_per_device) x (data_parallel) needs 4 devices per process, process 0 "
+                     "has 1 (gpu); lower data_parallel or raise replicas_per_device (a divisor of 2) so that the "
+                     "replicas share the 1 gpu devices")
+    from eqx_diloco.lm.config import flag_names
+
+    assert "--mesh.replicas-per-device" in flag_names(error) and "--mesh.data" in flag_names(error)
+
+
 def test_with_one_replica_nothing_counts_as_sent():
     diloco = _core(None, num_replicas=1)
     diloco.init(StackedMLP(key=jax.random.key(0)))
