@@ -1,6 +1,7 @@
 """The rules of `DiLoCo`'s arguments, written once. Errors name the argument; the CLI maps the
 names to its flags (`eqx_diloco.lm.config.validate`)."""
 
+import math
 from typing import Any
 
 from ._errors import ConfigError
@@ -14,6 +15,17 @@ PyTree = Any
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def check_topk(topk: float | None, chunk: int) -> str | None:
+    """What is wrong with a top-k density and chunk size, naming the arguments (None if fine)."""
+    if not (isinstance(chunk, int) and 8 <= chunk <= 65536 and 65536 % chunk == 0):
+        return f"topk_chunk must divide 65536 and be >= 8 (a power of two: positions are 1 or 2 bytes; got {chunk!r})"
+    if topk is None:
+        return None
+    if not (isinstance(topk, (int, float)) and math.isfinite(topk) and 0 < topk <= 1):
+        return f"topk must be a density in (0, 1] (got {topk!r})"
+    return None
 
 
 def check_arguments(
@@ -35,6 +47,8 @@ def check_arguments(
     comm_device: str,
     algorithm: str,
     replicas_per_device: int | None = None,
+    topk: float | None = None,
+    topk_chunk: int = 256,
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
@@ -54,6 +68,8 @@ def check_arguments(
     _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
     _require(comm_device in ("auto", "on", "off"), f"comm_device must be auto, on or off (got {comm_device!r})")
     _require(quantize in FORMATS, f"quantize must be one of {', '.join(FORMATS)} (got {quantize!r})")
+    topk_problem = check_topk(topk, topk_chunk)
+    _require(topk_problem is None, str(topk_problem))
     _require(exchange in ("auto", "gather", "two_phase"), f"exchange must be auto, gather or two_phase (got {exchange!r})")
     _require(fragment_pattern in ("strided", "sequential", "balanced"),
              f"fragment_pattern must be strided, sequential or balanced (got {fragment_pattern!r})")
@@ -63,7 +79,7 @@ def check_arguments(
         for name, off in [("num_fragments", num_fragments == 1), ("overlap_steps", overlap_steps == 0),
                           ("alpha", alpha == 0), ("quantize", quantize == "none"), ("error_feedback", not error_feedback),
                           ("exchange", exchange == "auto"), ("outer_overlap", outer_overlap == "none"),
-                          ("router_sync_period", router_sync_period == 0)]:
+                          ("router_sync_period", router_sync_period == 0), ("topk", topk is None)]:
             _require(off, f"{name} applies to algorithm diloco only, not ddp")
         return
     H, P = sync_period, num_fragments
@@ -79,7 +95,10 @@ def check_arguments(
         _require(o != "eager" or on_nonfinite == "stop",
                  "outer_overlap eager needs on_nonfinite stop (a skipped replica cannot be taken out of proxies the "
                  "others already applied)")
-    _require(not error_feedback or quantize != "none", "error_feedback needs a lossy quantize format (got none)")
+    _require(not error_feedback or quantize != "none" or topk is not None,
+             "error_feedback needs a lossy quantize format or topk (got quantize none)")
+    _require(topk is None or error_feedback,
+             f"topk needs error_feedback (the entries a top-k leaves out are carried to the next sync; got topk={topk})")
     if router_sync_period:
         _require(has_routers, "router_sync_period needs a routers selector")
         _require(H % router_sync_period == 0,

@@ -24,6 +24,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from . import schedule
 from ._arguments import check_arguments, check_batch
+from ._codec import Codec
 from ._errors import ConfigError
 from ._mesh import build_meshes
 from ._persistence import Persistence
@@ -80,7 +81,14 @@ class DiLoCo(Results, Persistence):
       over the fragments, largest first onto the smallest, to cut the peak sync size).
     - `overlap_steps`: tau, inner steps a sync overlaps before its merge (< H / P).
     - `alpha`: merge weight of the replica's own values (0 replaces them).
-    - `quantize`: wire format of outer gradients: none, bf16, fp8, int8, int4, e3m0.
+    - `quantize`: wire format of outer gradients (of their kept values, with `topk`): none,
+      bf16, fp8, int8, int4, e3m0, int2.
+    - `topk`: send only the largest-magnitude fraction `topk` (a density in (0, 1]) of each
+      chunk of `topk_chunk` values of an outer gradient, with their positions (SparseLoCo,
+      see `_codec`); None sends everything. Needs `error_feedback` (what is left out is
+      carried to the next sync).
+    - `topk_chunk`: values per top-k chunk, a power of two from 8 to 65536 (positions take 1
+      byte up to 256, else 2).
     - `error_feedback`: carry each replica's quantization residual to its next sync.
     - `outer_overlap`: `none` (a sync blocks, or overlaps tau steps), or overlap each sync's
       whole exchange with the next round of that group (arXiv 2502.12996, see `_eager`):
@@ -135,6 +143,8 @@ class DiLoCo(Results, Persistence):
         overlap_steps: int = 0,
         alpha: float = 0.0,
         quantize: str = "none",
+        topk: float | None = None,
+        topk_chunk: int = 256,
         error_feedback: bool = False,
         outer_overlap: Literal["none", "delayed", "eager"] = "none",
         exchange: Literal["auto", "gather", "two_phase"] = "auto",
@@ -153,6 +163,7 @@ class DiLoCo(Results, Persistence):
         check_arguments(
             num_replicas=num_replicas, sync_period=sync_period, num_fragments=num_fragments,
             fragment_pattern=fragment_pattern, overlap_steps=overlap_steps, alpha=alpha, quantize=quantize,
+            topk=topk, topk_chunk=topk_chunk,
             error_feedback=error_feedback, outer_overlap=outer_overlap, exchange=exchange,
             router_sync_period=router_sync_period, has_routers=routers is not None, on_nonfinite=on_nonfinite,
             data_parallel=data_parallel, comm_device=comm_device, algorithm=algorithm,
@@ -164,6 +175,8 @@ class DiLoCo(Results, Persistence):
         self.outer_optimizer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
         self.fragment_pattern, self.overlap_steps, self.alpha = fragment_pattern, overlap_steps, alpha
         self.quantize, self.error_feedback, self.exchange = quantize, error_feedback, exchange
+        self.topk, self.topk_chunk = topk, topk_chunk
+        self.wire = Codec(quantize, topk, topk_chunk)  # what an outer gradient becomes on the wire
         self.outer_overlap = outer_overlap if algorithm == "diloco" else "none"
         self.routers, self.router_sync_period = routers, router_sync_period
         self.on_nonfinite, self.algorithm = on_nonfinite, algorithm
@@ -257,6 +270,15 @@ class DiLoCo(Results, Persistence):
     def router_due(self, t: int) -> bool:
         """Whether the router group takes its own outer step after step t."""
         return self.router_group is not None and self._sync_groups[self.router_group].syncs_after(t)
+
+    @property
+    def bits_per_parameter(self) -> float:
+        """Payload bits one replica encodes per parameter per sync (indices and scales included;
+        0 with one replica, and 32 for DDP's float32 gradient)."""
+        if not self.is_diloco:
+            return 32.0 if self.num_replicas > 1 else 0.0
+        _require(bool(self._sync_groups), "call init(model) (or restore / abstract) before bits_per_parameter")
+        return 8 * sum(g.sent_bytes for g in self._sync_groups) / sum(g.num_values for g in self._sync_groups)
 
     def sent_bytes_at(self, t: int) -> int:
         """Payload bytes one replica encodes for the syncs that start at step t (scales included)."""

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import quantize
+from ._codec import as_codec
 from ._exchange import resolve_method
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
@@ -135,10 +135,11 @@ class OverlappedOuter:
 
     def _wire_value(self, x):
         """What a replica's vector decodes to on the other side of the wire."""
-        if self.fmt == "none":
+        codec = as_codec(self.fmt)
+        if codec.lossless:
             return x
         flat = jnp.concatenate([v.ravel() for v in x])
-        return unflatten_like(quantize.decode(quantize.encode(flat, self.fmt), self.fmt, flat.shape), x)
+        return unflatten_like(codec.decode(codec.encode(flat), flat.shape[0]), x)
 
     def _outer_fn(self, i: int):
         group, opt, R, eager = self.groups[i], self.outer_opt, self.num_replicas, self.mode == "eager"

@@ -72,71 +72,71 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float32
 
-from . import quantize
+from ._codec import Codec, as_codec, zero_if_skipped
 
 Method = Literal["psum", "gather", "two_phase"]
 METHODS: tuple[str, ...] = ("psum", "gather", "two_phase")
 
 
-def resolve_method(method: str, num_replicas: int, fmt: str) -> Method:
+def resolve_method(method: str, num_replicas: int, fmt: "str | Codec") -> Method:
     """The concrete exchange method for a requested one.
 
     **Arguments:**
 
     - `method`: "auto", "psum", "gather" or "two_phase".
-    - `num_replicas`: R, the size of the replica axis.
-    - `fmt`: the wire format (one of `quantize.FORMATS`).
+    - `num_replicas`: R, the number of replicas.
+    - `fmt`: the wire format (one of `quantize.FORMATS`, or a `Codec`, e.g. with top-k).
 
-    **Returns:** "auto" resolves to "psum" for format "none", else "gather" when
-    R <= 2 and "two_phase" when R > 2 (see the module docstring for why). Explicit
-    methods are returned unchanged; "psum" with a quantized format is a ValueError (a psum
-    of quantized codes would overflow or round wrongly).
+    **Returns:** "auto" resolves to "psum" for a lossless format ("none" without top-k), else
+    "gather" when R <= 2 and "two_phase" when R > 2 (see the module docstring for why).
+    Explicit methods are returned unchanged; "psum" with a lossy format is a ValueError (a
+    psum of quantized codes would overflow or round wrongly).
     """
-    quantize._check(fmt)
+    codec = as_codec(fmt)
     if method == "auto":
-        if fmt == "none":
+        if codec.lossless:
             return "psum"
         return "gather" if num_replicas <= 2 else "two_phase"
     if method not in METHODS:
         raise ValueError(f"unknown exchange method {method!r}; expected auto or one of {', '.join(METHODS)}")
-    if method == "psum" and fmt != "none":
-        raise ValueError(f"method 'psum' needs format 'none' (got {fmt!r}); use 'gather' or 'two_phase'")
+    if method == "psum" and not codec.lossless:
+        raise ValueError(f"method 'psum' needs format 'none' without top-k (got {codec}); use 'gather' or 'two_phase'")
     return method  # type: ignore[return-value]
 
 
-def chunk_size(num_values: int, fmt: str, num_replicas: int) -> int:
+def chunk_size(num_values: int, fmt: "str | Codec", num_replicas: int) -> int:
     """Values per chunk in the two-phase exchange: the vector is zero-padded to R chunks.
 
-    Blocked formats (fp8, int8, int4, e3m0) round the chunk up to a multiple of
-    `quantize.BLOCK_SIZE`, so each chunk is whole blocks; "none" and "bf16" need no
-    alignment: `ceil(num_values / R)`.
+    A chunk is a multiple of the codec's alignment (`quantize.BLOCK_SIZE` for blocked
+    formats, the top-k chunk for sparse ones), so no quantization block or top-k chunk is
+    cut; "none" and "bf16" need none: `ceil(num_values / R)`.
     """
-    quantize._check(fmt)
-    align = quantize.BLOCK_SIZE if fmt in quantize._BLOCKED else 1
+    align = as_codec(fmt).align
     per_replica = -(-num_values // num_replicas)
     return align * -(-per_replica // align)
 
 
-def payload_nbytes_for(num_values: int, fmt: str, num_replicas: int, method: str) -> int:
-    """Bytes of one replica's whole encoded vector under `method` (scales and padding included).
+def payload_nbytes_for(num_values: int, fmt: "str | Codec", num_replicas: int, method: str) -> int:
+    """Bytes of one replica's whole encoded vector under `method` (scales, indices and padding included).
 
-    "psum": 4 bytes per value. "gather": `quantize.payload_nbytes((n,), fmt)`. "two_phase":
-    R chunk payloads of `chunk_size` values each (the zero padding to R equal chunks is
+    "psum": 4 bytes per value. "gather": the codec's payload of n values. "two_phase": R
+    chunk payloads of `chunk_size` values each (the zero padding to R equal chunks is
     counted). This is what `sent_bytes` counts; `wire_nbytes` is what the collectives move.
     """
-    method = resolve_method(method, num_replicas, fmt)
+    codec = as_codec(fmt)
+    method = resolve_method(method, num_replicas, codec)
     if method == "psum":
         return 4 * num_values
     if method == "gather":
-        return quantize.payload_nbytes((num_values,), fmt)
-    return num_replicas * quantize.payload_nbytes((chunk_size(num_values, fmt, num_replicas),), fmt)
+        return codec.nbytes(num_values)
+    return num_replicas * codec.nbytes(chunk_size(num_values, codec, num_replicas))
 
 
-def wire_nbytes(num_values: int, fmt: str, num_replicas: int, method: str) -> int:
+def wire_nbytes(num_values: int, fmt: "str | Codec", num_replicas: int, method: str) -> int:
     """Bytes one replica sends for one `exchange_sum` of `num_values` values.
 
-    With R = `num_replicas`, n = `num_values`, p = `quantize.payload_nbytes((n,), fmt)` and
-    p_c = `quantize.payload_nbytes((chunk_size(n, fmt, R),), fmt)`:
+    With R = `num_replicas`, n = `num_values`, p = the codec's payload bytes of n values and
+    p_c = those of `chunk_size(n, fmt, R)` values:
 
     - "psum" (ring all-reduce of the float32 buffer): `ceil(2 (R - 1) * 4n / R)`;
     - "gather" (all_gather of one payload): `(R - 1) * p`;
@@ -146,48 +146,43 @@ def wire_nbytes(num_values: int, fmt: str, num_replicas: int, method: str) -> in
 
     R = 1 sends nothing. "auto" is resolved with `resolve_method` first.
     """
-    method = resolve_method(method, num_replicas, fmt)
+    codec = as_codec(fmt)
+    method = resolve_method(method, num_replicas, codec)
     R = num_replicas
     if method == "psum":
         return -(-2 * (R - 1) * 4 * num_values // R)
     if method == "gather":
-        return (R - 1) * quantize.payload_nbytes((num_values,), fmt)
-    return 2 * (R - 1) * quantize.payload_nbytes((chunk_size(num_values, fmt, R),), fmt)
+        return (R - 1) * codec.nbytes(num_values)
+    return 2 * (R - 1) * codec.nbytes(chunk_size(num_values, codec, R))
 
 
-def _zero_if_skipped(payload: quantize.Payload, keep: Array) -> quantize.Payload:
-    """A payload that decodes to exact zeros when `keep` is False (NaN scales included)."""
-    if payload.scales is None:
-        return quantize.Payload(data=jnp.where(keep, payload.data, jnp.zeros_like(payload.data)), scales=None)
-    # Codes of blocked formats are always finite, so a zero scale decodes them to zeros.
-    return quantize.Payload(data=payload.data, scales=jnp.where(keep, payload.scales, jnp.zeros_like(payload.scales)))
-
-
-def _row(payload: quantize.Payload, i: int) -> quantize.Payload:
+def _row(payload, i: int):
     return jax.tree.map(lambda leaf: leaf[i], payload)
 
 
-def _sum_rows(payloads: quantize.Payload, fmt: str, size: int, R: int) -> Float32[Array, " size"]:
+def _sum_rows(payloads, codec: Codec, size: int, R: int) -> Float32[Array, " size"]:
     """Decode R stacked payloads (leading axis) and add them in replica order, in float32.
 
     A running sum of one decoded row at a time: XLA fuses each decode into its add, so no
     (R, size) float32 matrix is held, and the order of the additions is fixed.
     """
-    total = quantize.decode(_row(payloads, 0), fmt, (size,))
+    total = codec.decode(_row(payloads, 0), size)
     for r in range(1, R):
-        total = total + quantize.decode(_row(payloads, r), fmt, (size,))
+        total = total + codec.decode(_row(payloads, r), size)
     return total
 
 
-def _encode_rows(rows: Float32[Array, "K n"], fmt: str) -> tuple[quantize.Payload, Float32[Array, "K n"]]:
-    """Each row encoded on its own (leaves with a leading K axis), and each row's rounding error."""
-    n = rows.shape[1]
-    payload = jax.vmap(lambda row: quantize.encode(row, fmt))(rows)
-    decoded = jax.vmap(lambda p: quantize.decode(p, fmt, (n,)))(payload)
-    return payload, rows - decoded
+def _encode_rows(rows: Float32[Array, "*lead n"], codec: Codec):
+    """Each row (over any leading axes) encoded on its own, and each row's rounding error."""
+    n = rows.shape[-1]
+    encode, decode = codec.encode, lambda p: codec.decode(p, n)
+    for _ in range(rows.ndim - 1):
+        encode, decode = jax.vmap(encode), jax.vmap(decode)
+    payload = encode(rows)
+    return payload, rows - decode(payload)
 
 
-def _gather_replicas(payload: quantize.Payload, axis_name: str) -> quantize.Payload:
+def _gather_replicas(payload, axis_name: str):
     """All replicas' payloads, rows in replica order: every device's K local rows, device by device."""
     gathered = jax.lax.all_gather(payload, axis_name, to="invarying")  # leaves (devices, K, ...)
     return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), gathered)
@@ -196,7 +191,7 @@ def _gather_replicas(payload: quantize.Payload, axis_name: str) -> quantize.Payl
 def exchange_sum(
     flat: Float32[Array, "*K n"],
     weight: Float32[Array, "*K"],
-    fmt: str,
+    fmt: "str | Codec",
     *,
     axis_name: str = "diloco",
     method: str,
@@ -211,21 +206,22 @@ def exchange_sum(
       other mesh axis.
     - `weight`: () or (K,), 0 or 1 per replica (any value > 0 counts as 1): 0 leaves that
       replica out of the sum (its values may then be non-finite).
-    - `fmt`: wire format, one of `quantize.FORMATS`.
+    - `fmt`: wire format, one of `quantize.FORMATS` or a `Codec` (top-k).
     - `axis_name`: the mesh axis along which devices hold different replicas.
     - `method`: "psum", "gather", "two_phase" or "auto" (see `resolve_method`; R is the axis
       size times K).
 
     **Returns:** `(total, own_error)`. `total` (n,) float32 is the same on every device
     (invariant over `axis_name`: it may leave the shard_map with `P()`), for "two_phase" it
-    is the decoded re-encoded sum. `own_error`, shaped like `flat`, is what each replica's
-    error-feedback residual should become (module docstring: its phase-1 rounding error,
-    plus, for two-phase, the owner's re-encoding error of the chunk it owns; zeros for a
-    lossless exchange). Unused outputs cost nothing under `jit`. A device's K replicas
-    count as K replicas everywhere: in the sum, in the order of the additions and in the
-    chunk each owns, so the result does not depend on how replicas are placed on devices.
+    is the decoded re-encoded sum (re-sparsified, with top-k). `own_error`, shaped like
+    `flat`, is what each replica's error-feedback residual should become (module docstring:
+    its phase-1 rounding error, plus, for two-phase, the owner's re-encoding error of the
+    chunk it owns; zeros for a lossless exchange). Unused outputs cost nothing under `jit`.
+    A device's K replicas count as K replicas everywhere: in the sum, in the order of the
+    additions and in the chunk each owns, so the result does not depend on how replicas are
+    placed on devices.
     """
-    quantize._check(fmt)
+    codec = as_codec(fmt)
     if flat.ndim not in (1, 2) or jnp.ndim(weight) != flat.ndim - 1:
         raise ValueError(f"exchange_sum takes a flat vector (n,) or rows (K, n) with weights () or (K,), got shapes "
                          f"{flat.shape} and {jnp.shape(weight)}")
@@ -233,45 +229,50 @@ def exchange_sum(
     rows = (flat[None] if one else flat).astype(jnp.float32)
     keep = (jnp.reshape(weight, (-1,)) > 0)
     R = jax.lax.axis_size(axis_name) * rows.shape[0]
-    method = resolve_method(method, R, fmt)
-    total, own_error = _exchange_rows(rows, keep, fmt, axis_name=axis_name, method=method, R=R)
+    method = resolve_method(method, R, codec)
+    total, own_error = _exchange_rows(rows, keep, codec, axis_name=axis_name, method=method, R=R)
     return total, own_error[0] if one else own_error
 
 
-def _exchange_rows(rows, keep, fmt: str, *, axis_name: str, method: str, R: int):
+def _exchange_rows(rows, keep, codec: Codec, *, axis_name: str, method: str, R: int):
     K, n = rows.shape
     if method == "psum":
         local = jnp.sum(jnp.where(keep[:, None], rows, jnp.zeros_like(rows)), axis=0)
         return jax.lax.psum(local, axis_name), jnp.zeros_like(rows)
 
-    zero_skipped = jax.vmap(_zero_if_skipped)
+    zero_skipped = jax.vmap(zero_if_skipped)
     if method == "gather":
-        payload, own_error = _encode_rows(rows, fmt)
+        payload, own_error = _encode_rows(rows, codec)
         gathered = _gather_replicas(zero_skipped(payload, keep), axis_name)
-        return _sum_rows(gathered, fmt, n, R), own_error
+        return _sum_rows(gathered, codec, n, R), own_error
 
-    # two_phase
-    c = chunk_size(n, fmt, R)
+    # two_phase: each row is cut into R chunks of c values, each encoded on its own (a chunk
+    # is whole quantization blocks / top-k chunks, so dense formats round exactly as one
+    # encode of the row would).
+    c = chunk_size(n, codec, R)
     padded = jnp.pad(rows, ((0, 0), (0, R * c - n)))
-    # One encode of a padded row is exactly its R chunks' encodes side by side (chunks are
-    # whole blocks); give every leaf a (K, devices, K, ...) layout: sender, owner's device, owner.
-    payload, e1 = _encode_rows(padded, fmt)
+    payload, e1 = _encode_rows(padded.reshape(K, R, c), codec)  # leaves (K, R, ...); e1 (K, R, c)
+    payload = jax.vmap(zero_if_skipped)(payload, keep)
     devices = R // K
-    chunks = jax.tree.map(lambda leaf: leaf.reshape(K, devices, K, -1, *leaf.shape[2:]), zero_skipped(payload, keep))
+    # Leaves as (sender k, owner's device, owner k, ...).
+    chunks = jax.tree.map(lambda leaf: leaf.reshape(K, devices, K, *leaf.shape[2:]), payload)
     # Phase 1 (reduce-scatter): after the all_to_all, axis 1 is the sending device; reorder to
     # (owner k, sender replica), senders in replica order.
     received = jax.tree.map(lambda leaf: jax.lax.all_to_all(leaf, axis_name, 1, 1), chunks)
     received = jax.tree.map(lambda leaf: jnp.moveaxis(leaf, 2, 0).reshape(K, R, *leaf.shape[3:]), received)
-    owned = jax.vmap(lambda payloads: _sum_rows(payloads, fmt, c, R))(received)  # (K, c)
-    if fmt == "none":
-        reduced = quantize.Payload(data=owned, scales=None)
-        e2 = jnp.zeros_like(owned)
+    owned = jax.vmap(lambda payloads: _sum_rows(payloads, codec, c, R))(received)  # (K, c)
+    if codec.lossless:
+        reduced, e2 = owned, jnp.zeros_like(owned)
     else:
-        reduced, e2 = _encode_rows(owned, fmt)
+        reduced, e2 = _encode_rows(owned, codec)  # re-encoded (re-sparsified, with top-k)
     # Phase 2 (all-gather): everyone gets every owner's encoded reduced chunk.
     gathered = _gather_replicas(reduced, axis_name)
-    total = jax.vmap(lambda p: quantize.decode(p, fmt, (c,)))(gathered).reshape(R * c)[:n]
+    if codec.lossless:
+        total = gathered.reshape(R * c)[:n]
+    else:
+        total = jax.vmap(lambda p: codec.decode(p, c))(gathered).reshape(R * c)[:n]
     first = jax.lax.axis_index(axis_name) * K  # replica index of this device's row 0
+    e1 = e1.reshape(K, R * c)
 
     def add_owned(e1_row, e2_row, k):
         at = (first + k) * c

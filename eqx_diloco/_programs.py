@@ -80,12 +80,12 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
     if d.outer_overlap != "none":
         overlapped = OverlappedOuter(
             mesh=d.mesh, comm_mesh=d.comm_mesh, groups=groups, outer_opt=d.outer_optimizer, mode=d.outer_overlap,
-            fmt=d.quantize, exchange=d.exchange, skip_nonfinite=skip, error_feedback=d.error_feedback,
+            fmt=d.wire, exchange=d.exchange, skip_nonfinite=skip, error_feedback=d.error_feedback,
             shardings=shardings, num_replicas=d.num_replicas,
         )
     elif d.is_diloco:
         outer = OuterSync(
-            mesh=d.mesh, groups=groups, outer_opt=d.outer_optimizer, fmt=d.quantize, alpha=d.alpha,
+            mesh=d.mesh, groups=groups, outer_opt=d.outer_optimizer, fmt=d.wire, alpha=d.alpha,
             skip_nonfinite=skip, error_feedback=d.error_feedback, shardings=shardings, comm_mesh=d.comm_mesh,
             exchange=d.exchange, num_replicas=d.num_replicas,
         )

@@ -8,6 +8,7 @@ are (`TrainState`, `OuterSync` / `OverlappedOuter`); a group reaches its program
 """
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 from jaxtyping import Array
@@ -34,6 +35,7 @@ class SyncGroup:
     - `period`: inner steps between two of its syncs (H for a fragment, K for the routers).
     - `sent_bytes`: payload bytes one replica encodes per sync of the group (scales included).
     - `wire_bytes`: bytes one replica's collectives move per sync of the group.
+    - `num_values`: parameters in the group (the denominator of bits per parameter).
     - `programs`: the `Programs` whose `outer` or `overlapped` runs its exchange.
     - `in_flight`: its launched exchange whose result is not installed yet, or None.
     """
@@ -43,6 +45,7 @@ class SyncGroup:
     period: int
     sent_bytes: int
     wire_bytes: int
+    num_values: int
     programs: "Programs" = dataclasses.field(repr=False)
     in_flight: InFlightSync | InFlightExchange | None = None
 
@@ -101,8 +104,9 @@ def make_sync_groups(d: "DiLoCo", programs: "Programs", params: PyTree) -> tuple
         sync_groups.append(SyncGroup(
             index=index, first_sync=first_sync, period=period,
             # One replica has no peer: its syncs stay on the device.
-            sent_bytes=sync_nbytes(shapes, d.quantize, d.num_replicas, d.exchange) if d.num_replicas > 1 else 0,
-            wire_bytes=sync_wire_nbytes(shapes, d.quantize, d.num_replicas, d.exchange),
+            sent_bytes=sync_nbytes(shapes, d.wire, d.num_replicas, d.exchange) if d.num_replicas > 1 else 0,
+            wire_bytes=sync_wire_nbytes(shapes, d.wire, d.num_replicas, d.exchange),
+            num_values=sum(math.prod(s) for s in shapes),
             programs=programs,
         ))
     return tuple(sync_groups)

@@ -18,9 +18,13 @@ so they are counted by `payload_nbytes`.
 | int8   | 8 + 32/256 = 8.125       | per block, absmax / 127    | round to nearest, ties to even; codes -127..127 |
 | int4   | 4 + 32/256 = 4.125       | per block, absmax / 7      | round to nearest, ties to even; codes -7..7     |
 | e3m0   | 4 + 32/256 = 4.125       | per block, absmax          | nearest representable in the linear domain      |
+| int2   | 2 + 32/256 = 2.125       | per block, absmax / 3      | nearest of -3, -1, 1, 3; ties away from zero    |
 
 int4 and e3m0 are bit-packed, two 4-bit codes per uint8 byte (even index in the low
-nibble). int4 stores `q + 8` (1..15); e3m0 stores a sign bit (bit 3) and a 3-bit
+nibble); int2 packs four 2-bit codes per byte (index 4i + j in bits 2j, 2j + 1) and stores
+`(q + 3) / 2` for its levels q in {-3, -1, 1, 3} x absmax / 3: four levels and no zero, so
+that all four codes carry a magnitude (the values a top-k keeps are never near zero, and
+error feedback carries what a level misses). int4 stores `q + 8` (1..15); e3m0 stores a sign bit (bit 3) and a 3-bit
 exponent code c (c = 0 is zero, c = 1..7 is `scale * 2**(c - 7)`), i.e. values
 `±absmax * 2**-e` for e in 0..6, plus zero.
 
@@ -34,7 +38,7 @@ Error per value, with `m` the block's absmax (bounds the tests check):
 
 - bf16: `|err| <= 2**-8 * |x|`.
 - fp8: `|err| <= 2**-4 * |x| + 2**-10 * m / 448` (3 mantissa bits; e4m3 subnormals).
-- int8: `|err| <= m / 254`. int4: `|err| <= m / 14`.
+- int8: `|err| <= m / 254`. int4: `|err| <= m / 14`. int2: `|err| <= m / 3`.
 - e3m0: `|err| <= max(|x| / 3, m * 2**-7)`.
 
 Edge cases (the policy):
@@ -43,7 +47,8 @@ Edge cases (the policy):
   the whole block decodes to NaN and the caller's non-finite guard sees it. The block's
   codes are zeroed so the payload is deterministic. "none" and "bf16" have no blocks:
   they carry NaN and Inf through value by value.
-- Zeros round-trip exactly; an all-zero block has scale 0 and decodes to zeros. The sign
+- Zeros round-trip exactly, except in int2 (no zero level: a zero in a block whose absmax
+  is m decodes to m / 3); an all-zero block has scale 0 and decodes to zeros. The sign
   of every nonzero value is kept (e3m0 and fp8 also keep the sign of -0.0).
 - Tiny values in a block with a large absmax flush to zero: below `m / 254` (int8),
   `m / 14` (int4), `m * 2**-7` (e3m0), `2**-10 * m / 448` (fp8).
@@ -65,10 +70,10 @@ from ._formats import FORMATS as FORMATS  # re-exported: quantize.FORMATS
 # while a single outlier only coarsens its own 256 neighbours.
 BLOCK_SIZE = 256
 
-_BLOCKED = ("fp8", "int8", "int4", "e3m0")
-_PACKED = ("int4", "e3m0")
+_BLOCKED = ("fp8", "int8", "int4", "e3m0", "int2")
+_CODE_BITS = {"fp8": 8, "int8": 8, "int4": 4, "e3m0": 4, "int2": 2}
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_INT_MAX = {"int8": 127, "int4": 7}
+_INT_MAX = {"int8": 127, "int4": 7, "int2": 3}
 _E3M0_CODES = 7  # nonzero magnitudes 2**0 .. 2**-6
 # Nearest-value thresholds on a = |x| / absmax: code c = number of thresholds a reaches.
 # Between zero and 2**-6 the midpoint is 2**-7; between 2**(c-7) and 2**(c-6) it is
@@ -83,7 +88,8 @@ class Payload(eqx.Module):
 
     - `data`: the codes. "none": the float32 array itself (input shape); "bf16": bfloat16
       of the input shape; "fp8"/"int8": `(blocks, BLOCK_SIZE)` float8_e4m3fn/int8;
-      "int4"/"e3m0": `(blocks, BLOCK_SIZE // 2)` uint8, two codes per byte.
+      "int4"/"e3m0": `(blocks, BLOCK_SIZE // 2)` uint8, two codes per byte; "int2":
+      `(blocks, BLOCK_SIZE // 4)` uint8, four codes per byte.
     - `scales`: `(blocks,)` float32 per-block scales for blocked formats, else None.
 
     Leaves may carry extra leading axes (e.g. the replica axis an `all_gather` adds);
@@ -113,6 +119,18 @@ def _unpack_nibbles(packed: Shaped[Array, "*lead blocks half"]) -> Shaped[Array,
     """Inverse of `_pack_nibbles` (over any leading axes)."""
     pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
     return pairs.reshape(*packed.shape[:-1], BLOCK_SIZE)
+
+
+def _pack_crumbs(codes: Shaped[Array, "blocks block"]) -> Shaped[Array, "blocks quarter"]:
+    """Four uint8 codes in 0..3 per byte: index 4i + j in bits 2j and 2j + 1 of byte i."""
+    quads = codes.reshape(codes.shape[0], BLOCK_SIZE // 4, 4)
+    return quads[..., 0] | (quads[..., 1] << 2) | (quads[..., 2] << 4) | (quads[..., 3] << 6)
+
+
+def _unpack_crumbs(packed: Shaped[Array, "*lead blocks quarter"]) -> Shaped[Array, "*lead blocks block"]:
+    """Inverse of `_pack_crumbs` (over any leading axes)."""
+    quads = jnp.stack([(packed >> shift) & 0x3 for shift in (0, 2, 4, 6)], axis=-1)
+    return quads.reshape(*packed.shape[:-1], BLOCK_SIZE)
 
 
 def encode(x: Float[Array, "..."], fmt: str) -> Payload:
@@ -149,6 +167,10 @@ def encode(x: Float[Array, "..."], fmt: str) -> Payload:
         scale = absmax
     elif fmt == "fp8":
         scale = absmax / _FP8_MAX
+    elif fmt == "int2":
+        # A product, not absmax / 3: XLA may turn a division by 3 into a product with 1/3,
+        # and eager and jitted encodes must agree bit for bit.
+        scale = absmax * jnp.float32(1 / 3)
     else:
         scale = absmax / _INT_MAX[fmt]
     # An all-zero block (or one whose scale underflowed) divides by 1: its codes are zero
@@ -165,6 +187,12 @@ def encode(x: Float[Array, "..."], fmt: str) -> Payload:
     elif fmt == "int4":
         q = jnp.clip(jnp.round(scaled), -7, 7)
         data = _pack_nibbles((q + 8).astype(jnp.uint8))
+    elif fmt == "int2":
+        # Levels -3, -1, 1, 3 (x absmax / 3), codes 0..3: the sign picks a side (signbit, so
+        # tiny values and -0.0 keep theirs), |scaled| >= 2 the outer level.
+        outer = jnp.abs(scaled) >= 2.0
+        code = jnp.where(jnp.signbit(scaled), jnp.where(outer, 0, 1), jnp.where(outer, 3, 2))
+        data = _pack_crumbs(code.astype(jnp.uint8))
     else:  # e3m0
         a = jnp.abs(scaled)
         code = jnp.zeros(a.shape, jnp.uint8)
@@ -208,6 +236,8 @@ def decode(payload: Payload, fmt: str, shape: tuple[int, ...]) -> Float32[Array,
         values = data.astype(jnp.float32)
     elif fmt == "int4":
         values = _unpack_nibbles(data).astype(jnp.float32) - 8.0
+    elif fmt == "int2":
+        values = 2.0 * _unpack_crumbs(data).astype(jnp.float32) - 3.0
     else:  # e3m0
         nibbles = _unpack_nibbles(data)
         code = nibbles & 0x7
@@ -238,8 +268,7 @@ def payload_nbytes(shape: tuple[int, ...], fmt: str) -> int:
     if fmt == "bf16":
         return 2 * size
     blocks_n = _num_blocks(size)
-    code_bytes = BLOCK_SIZE // 2 if fmt in _PACKED else BLOCK_SIZE
-    return blocks_n * (code_bytes + 4)
+    return blocks_n * (BLOCK_SIZE * _CODE_BITS[fmt] // 8 + 4)
 
 
 def bits_per_value(fmt: str) -> float:
@@ -254,5 +283,4 @@ def bits_per_value(fmt: str) -> float:
         return 32.0
     if fmt == "bf16":
         return 16.0
-    code_bits = 4 if fmt in _PACKED else 8
-    return code_bits + 32 / BLOCK_SIZE
+    return _CODE_BITS[fmt] + 32 / BLOCK_SIZE

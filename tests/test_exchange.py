@@ -46,7 +46,7 @@ def np_round_trip(x: np.ndarray, fmt: str) -> np.ndarray:
     finite = np.isfinite(blocks).all(axis=1)
     blocks[~finite] = 0.0
     absmax = np.abs(blocks).max(axis=1)
-    denominator = {"e3m0": 1.0, "fp8": 448.0, "int8": 127.0, "int4": 7.0}[fmt]
+    denominator = {"e3m0": 1.0, "fp8": 448.0, "int8": 127.0, "int4": 7.0, "int2": 3.0}[fmt]
     # XLA folds a division by a constant into a product with its float32 reciprocal, so
     # `absmax / 7` in `quantize.encode` is computed as this:
     scale = (absmax * (np.float32(1.0) / np.float32(denominator))).astype(np.float32)
@@ -57,6 +57,9 @@ def np_round_trip(x: np.ndarray, fmt: str) -> np.ndarray:
         values = np.clip(np.round(scaled), -limit, limit).astype(np.float32)  # np.round: ties to even
     elif fmt == "fp8":
         values = np.clip(scaled, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    elif fmt == "int2":  # levels -3, -1, 1, 3: the sign picks a side, |scaled| >= 2 the outer one
+        values = np.where(np.abs(scaled) >= 2, 3.0, 1.0) * np.where(np.signbit(scaled), -1.0, 1.0)
+        values = values.astype(np.float32)
     else:  # e3m0: magnitudes 2**-e (e = 0..6) and 0, nearest in the linear domain
         a = np.abs(scaled)
         thresholds = [2.0**-7] + [0.75 * 2.0 ** (c - 6) for c in range(1, 7)]

@@ -21,7 +21,7 @@ from eqx_diloco.quantize import (
     payload_nbytes,
 )
 
-BLOCKED = ("fp8", "int8", "int4", "e3m0")
+BLOCKED = ("fp8", "int8", "int4", "e3m0", "int2")
 QUANTIZED = ("bf16",) + BLOCKED
 
 
@@ -58,6 +58,7 @@ def error_bound(fmt: str, x: np.ndarray) -> np.ndarray:
         "fp8": 2.0**-4 * ax + 2.0**-10 * m / 448,  # 4 significant bits; subnormal step 2**-9
         "int8": m / 254,  # half a step of absmax / 127
         "int4": m / 14,  # half a step of absmax / 7
+        "int2": m / 3,  # half a step of 2 absmax / 3, and zero (no zero level) decodes to absmax / 3
         "e3m0": np.maximum(ax / 3, m * 2.0**-7),  # worst at 0.75 * 2**-e; below 2**-6 half of 2**-6
     }[fmt]
     # Slack for the float32 rounding of the scale, the division and the multiply.
@@ -74,8 +75,8 @@ def random_gradient(key, shape, spread=True):
 
 
 def test_formats_and_unknown_format():
-    assert FORMATS == ("none", "bf16", "fp8", "int8", "int4", "e3m0")
-    for fn in (lambda: encode(jnp.zeros(3), "int2"), lambda: payload_nbytes((3,), "fp16")):
+    assert FORMATS == ("none", "bf16", "fp8", "int8", "int4", "e3m0", "int2")
+    for fn in (lambda: encode(jnp.zeros(3), "int3"), lambda: payload_nbytes((3,), "fp16")):
         with pytest.raises(ValueError, match="unknown quantization format"):
             fn()
 
@@ -216,7 +217,12 @@ def test_zeros_and_signs(fmt):
     x = random_gradient(jax.random.key(4), (5, 300), spread=False)
     x[:, ::7] = 0.0
     y = round_trip(x, fmt)
-    np.testing.assert_array_equal(y[:, ::7], 0.0)  # zeros inside a nonzero block stay zero
+    if fmt == "int2":  # no zero level: a zero inside a nonzero block becomes +-absmax / 3
+        third = block_absmax(x)[:, ::7] / 3
+        np.testing.assert_allclose(np.abs(y[:, ::7]), third, rtol=1e-6)
+        x[:, ::7] = y[:, ::7]  # the sign checks below are about the other values
+    else:
+        np.testing.assert_array_equal(y[:, ::7], 0.0)  # zeros inside a nonzero block stay zero
     assert np.all(y * x >= 0)  # no value changes sign (small ones may flush to zero)
     big = np.abs(x) >= 0.5 * block_absmax(x)
     np.testing.assert_array_equal(np.sign(y[big]), np.sign(x[big]))
@@ -229,7 +235,10 @@ def test_tiny_values_flush_to_zero_in_a_large_block(fmt):
     x[0] = 1.0
     y = round_trip(x, fmt)
     assert y[0] == pytest.approx(1.0, rel=1e-6)
-    np.testing.assert_array_equal(y[1:], 0.0)
+    if fmt == "int2":  # no zero level: tiny values take the smallest one, with their sign
+        np.testing.assert_allclose(y[1:], np.sign(x[1:]) / 3, rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(y[1:], 0.0)
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
@@ -271,7 +280,8 @@ def test_non_finite_policy(fmt):
     if fmt in BLOCKED:
         # The codes of a poisoned block are zeroed: the payload does not depend on garbage.
         payload = _encode(jnp.asarray(x), fmt=fmt)
-        assert np.all(np.asarray(payload.data[:3]).view(np.uint8) == (0x00 if fmt != "int4" else 0x88))
+        zero_codes = {"int4": 0x88, "int2": 0xAA}.get(fmt, 0x00)  # the code of 0 (int2: of +absmax / 3)
+        assert np.all(np.asarray(payload.data[:3]).view(np.uint8) == zero_codes)
 
 
 # ---------------------------------------------------------------- tracing

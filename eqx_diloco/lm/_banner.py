@@ -51,7 +51,10 @@ def algorithm_line(config) -> str:
         parts.append(f"routers synced every {d.router_sync_period} steps")
     if d.alpha:
         parts.append(f"alpha={d.alpha}")
-    parts.append(f"quantize {d.quantize}" + (" + error feedback" if d.error_feedback else ""))
+    sparse = f"top-{100 * d.topk:g}% of {d.topk_chunk}-value chunks in " if d.topk is not None else ""
+    parts.append(f"{sparse}quantize {d.quantize}" + (" + error feedback" if d.error_feedback else ""))
+    if config.optim.inner == "muon":
+        parts.append(f"inner Muon (lr {config.optim.muon_lr:g}) + AdamW")
     return ", ".join(parts)
 
 
@@ -240,6 +243,9 @@ def format_summary(summary: dict[str, Any], config) -> str:
             ratio = ddp_bytes / sent if sent else math.inf
             lines.append(f"  sent         {format_bytes(sent)} per replica for synchronisation; DDP would have sent "
                          f"{format_bytes(ddp_bytes)} ({ratio:,.0f}x more)")
+            if summary.get("bits_per_parameter") is not None:
+                lines.append(f"  compression  {summary['bits_per_parameter']:.3g} bits per parameter per sync "
+                             "(indices and scales included; float32: 32)")
     lines.append(f"  metrics      {run_dir / 'metrics.jsonl'} "
                  f"(TensorBoard: tensorboard --logdir {_quote(run_dir.parent)})")
     has_checkpoints = config.checkpoint.every > 0

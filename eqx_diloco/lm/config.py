@@ -15,7 +15,7 @@ from .._arguments import check_arguments
 from .._errors import ConfigError
 
 Algorithm = Literal["diloco", "ddp"]
-QuantizeFormat = Literal["none", "bf16", "fp8", "int8", "int4", "e3m0"]
+QuantizeFormat = Literal["none", "bf16", "fp8", "int8", "int4", "e3m0", "int2"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,11 @@ class DiLoCoConfig:
     alpha: float = 0.0
     """merge weight: replica = alpha * replica + (1 - alpha) * new global."""
     quantize: QuantizeFormat = "none"
-    """wire format of each replica's outer gradient."""
+    """wire format of each replica's outer gradient (of its kept values, with --diloco.topk); int2 has four levels per block and no zero."""
+    topk: float | None = None
+    """send only this fraction (a density in (0, 1], e.g. 0.03) of each chunk of an outer gradient, the largest in magnitude, with their positions (SparseLoCo); needs --diloco.error-feedback, which carries the rest to the next sync. Unset: send everything."""
+    topk_chunk: int = 256
+    """values per top-k chunk: a power of two from 8 to 65536 (positions take 1 byte up to 256, else 2)."""
     error_feedback: bool = False
     """keep each replica's quantization residual and add it to its next outer gradient of the same fragment."""
     outer_overlap: Literal["none", "delayed", "eager"] = "none"
@@ -52,6 +56,18 @@ class DiLoCoConfig:
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
     comm_device: Literal["auto", "on", "off"] = "auto"
     """with overlap (tau > 0), run each sync on a separate communication device per replica so it really overlaps compute: `auto` = on for CPU, `off` = dispatch it on the compute devices (correct everywhere)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The inner optimizer."""
+
+    inner: Literal["adamw", "muon"] = "adamw"
+    """`adamw`, or `muon`: optax.contrib.muon (momentum orthogonalized by Newton-Schulz) on the stacked weight matrices of the layers, AdamW (--train.lr, betas, weight decay) on embeddings, head, norms and router (MuLoCo's recipe)."""
+    muon_lr: float = 0.02
+    """peak learning rate of Muon's matrices (same warm-up and cosine decay as --train.lr)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +217,7 @@ class Config:
     model: TransformerConfig = ModelFlags()
     diloco: DiLoCoConfig = DiLoCoConfig()
     train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -236,6 +253,7 @@ FLAGS = {
     "exchange": "--diloco.exchange", "router_sync_period": "--diloco.router-sync-period",
     "on_nonfinite": "--train.on-nonfinite", "data_parallel": "--mesh.data", "comm_device": "--diloco.comm-device",
     "algorithm": "--algorithm", "replicas_per_device": "--mesh.replicas-per-device",
+    "topk_chunk": "--diloco.topk-chunk", "topk": "--diloco.topk",
 }
 
 
@@ -298,8 +316,11 @@ def validate(config: Config) -> None:
     for flag, value in [
         ("--train.lr", train.lr),
         ("--diloco.outer-lr", d.outer_lr),
+        ("--optim.muon-lr", config.optim.muon_lr),
     ]:
         _require(value > 0, f"{flag} must be > 0 (got {value})")
+    _require(0 <= config.optim.muon_momentum < 1,
+             f"--optim.muon-momentum must be in [0, 1) (got {config.optim.muon_momentum})")
     for flag, value in [
         ("--train.warmup-steps", train.warmup_steps),
         ("--train.eval-every", train.eval_every),
@@ -383,7 +404,7 @@ def validate(config: Config) -> None:
             error_feedback=d.error_feedback, outer_overlap=d.outer_overlap, exchange=d.exchange,
             router_sync_period=d.router_sync_period, has_routers=m.kind == "moe", on_nonfinite=train.on_nonfinite,
             data_parallel=config.mesh.data, comm_device=d.comm_device, algorithm=config.algorithm,
-            replicas_per_device=config.mesh.replicas_per_device or None,
+            replicas_per_device=config.mesh.replicas_per_device or None, topk=d.topk, topk_chunk=d.topk_chunk,
         )
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None

@@ -385,7 +385,7 @@ class Trainer:
                 "wire_bytes": traffic.wire, "peak_sync_bytes": traffic.peak, "tokens": T * tokens_per_step,
                 "ddp_bytes": T * self.ddp_step_bytes, "wall_time_s": time.perf_counter() - self._start_time,
                 "run_dir": str(self.config.run_dir), "checkpoint_dir": str(self.checkpointer.directory),
-                "final_sync_groups": self._final_synced}
+                "final_sync_groups": self._final_synced, "bits_per_parameter": self.core.bits_per_parameter}
 
 
 def train(config: Config, *, verbose: bool = True) -> dict[str, Any]:

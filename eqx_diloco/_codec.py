@@ -1,0 +1,130 @@
+"""What one replica's flat outer-gradient vector becomes on the wire: a quantization format,
+optionally after a chunked top-k.
+
+Dense (`topk=None`): `quantize.encode(x, fmt)`, see `quantize`.
+
+Sparse (`topk=d`, SparseLoCo's compressor, arXiv 2508.15706): the vector is zero-padded to
+whole chunks of `chunk` values; in each chunk the k = round(d x chunk) entries of largest
+magnitude are kept (ties by lower index, `jax.lax.top_k`), their values are quantized in
+`fmt` (blocks of `quantize.BLOCK_SIZE` kept values share a scale) and their positions in the
+chunk are sent as one unsigned byte each (chunk <= 256) or two (chunk <= 65536). Decoding
+scatters the values back into zeros. Every payload of a vector of n values has the same
+shapes, so payloads travel through `all_gather` and `all_to_all` like dense ones. What
+top-k leaves out is not lost only with error feedback, which carries it to the next sync;
+`DiLoCo` refuses top-k without it.
+
+Bytes per chunk: k x index bytes, plus the quantized values; for chunk 256, density 3%
+(k = 8) and int2 values: 8 x (1 + 2/8) bytes and 4 bytes of scale per 256 kept values,
+0.32 bits per parameter.
+"""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float32, Shaped
+
+from . import quantize
+
+
+class SparsePayload(eqx.Module):
+    """A top-k payload: `values` (a `quantize.Payload` of the chunks x k kept values, chunk by
+    chunk) and `indices` ((chunks, k) uint8 or uint16 positions within each chunk)."""
+
+    values: quantize.Payload
+    indices: Shaped[Array, "... chunks k"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """A wire format for flat float32 vectors.
+
+    **Arguments:**
+
+    - `fmt`: the quantization format of the values (`quantize.FORMATS`).
+    - `topk`: the density in (0, 1] of a chunked top-k, or None for dense vectors.
+    - `chunk`: values per top-k chunk (a power of two, 8 to 65536).
+    """
+
+    fmt: str = "none"
+    topk: float | None = None
+    chunk: int = 256
+
+    @property
+    def sparse(self) -> bool:
+        return self.topk is not None
+
+    @property
+    def lossless(self) -> bool:
+        """Whether decode(encode(x)) == x (float32, dense): the exchange may be a plain psum."""
+        return self.fmt == "none" and not self.sparse
+
+    @property
+    def align(self) -> int:
+        """Values a two-phase chunk must be a multiple of, so that cutting a vector into chunks
+        cuts no quantization block or top-k chunk."""
+        if self.sparse:
+            return self.chunk
+        return quantize.BLOCK_SIZE if self.fmt in quantize._BLOCKED else 1
+
+    @property
+    def k(self) -> int:
+        """Entries kept per chunk."""
+        return max(1, round(self.topk * self.chunk)) if self.sparse else self.chunk
+
+    def _chunks(self, n: int) -> int:
+        return -(-n // self.chunk)
+
+    def encode(self, x: Float32[Array, " n"]) -> quantize.Payload | SparsePayload:
+        """The payload of one flat vector."""
+        if not self.sparse:
+            return quantize.encode(x, self.fmt)
+        n, C = x.shape[0], self.chunk
+        chunks = jnp.pad(x.astype(jnp.float32), (0, self._chunks(n) * C - n)).reshape(-1, C)
+        # NaN counts as the largest magnitude, so a non-finite vector stays non-finite on the wire.
+        magnitude = jnp.where(jnp.isnan(chunks), jnp.inf, jnp.abs(chunks))
+        _, indices = jax.lax.top_k(magnitude, self.k)
+        kept = jnp.take_along_axis(chunks, indices, axis=1)
+        index_dtype = jnp.uint8 if C <= 256 else jnp.uint16
+        return SparsePayload(values=quantize.encode(kept.reshape(-1), self.fmt), indices=indices.astype(index_dtype))
+
+    def decode(self, payload: quantize.Payload | SparsePayload, n: int) -> Float32[Array, " n"]:
+        """The float32 vector (n values) a payload stands for."""
+        if not self.sparse:
+            return quantize.decode(payload, self.fmt, (n,))
+        chunks_n, C = self._chunks(n), self.chunk
+        values = quantize.decode(payload.values, self.fmt, (chunks_n * self.k,)).reshape(chunks_n, self.k)
+        rows = jnp.arange(chunks_n)[:, None]
+        dense = jnp.zeros((chunks_n, C), jnp.float32).at[rows, payload.indices.astype(jnp.int32)].set(values)
+        return dense.reshape(-1)[:n]
+
+    def nbytes(self, n: int) -> int:
+        """Exact bytes of the payload of n values (indices, codes, padding and scales)."""
+        if not self.sparse:
+            return quantize.payload_nbytes((n,), self.fmt)
+        kept = self._chunks(n) * self.k
+        return kept * (1 if self.chunk <= 256 else 2) + quantize.payload_nbytes((kept,), self.fmt)
+
+    def bits_per_value(self, n: int) -> float:
+        """Payload bits per value of a vector of n values."""
+        return 8 * self.nbytes(n) / max(n, 1)
+
+
+def zero_if_skipped(payload: quantize.Payload | SparsePayload, keep: Array) -> quantize.Payload | SparsePayload:
+    """A payload that decodes to exact zeros when `keep` is False (NaN scales included)."""
+    if isinstance(payload, SparsePayload):
+        return SparsePayload(values=zero_if_skipped(payload.values, keep), indices=payload.indices)
+    if payload.scales is None:
+        return quantize.Payload(data=jnp.where(keep, payload.data, jnp.zeros_like(payload.data)), scales=None)
+    # Codes of blocked formats are always finite, so a zero scale decodes them to zeros.
+    return quantize.Payload(data=payload.data, scales=jnp.where(keep, payload.scales, jnp.zeros_like(payload.scales)))
+
+
+def as_codec(fmt: "str | Codec") -> Codec:
+    """A `Codec` for a format name (dense) or the codec itself."""
+    if isinstance(fmt, Codec):
+        quantize._check(fmt.fmt)
+        return fmt
+    quantize._check(fmt)
+    return Codec(fmt)
