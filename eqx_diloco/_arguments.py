@@ -48,7 +48,7 @@ def check_arguments(
     algorithm: str,
     replicas_per_device: int | None = None,
     topk: float | None = None,
-    topk_chunk: int = 256,
+    topk_chunk: int = 65536,
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
