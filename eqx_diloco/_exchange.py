@@ -32,6 +32,11 @@ Because chunk boundaries are multiples of `quantize.BLOCK_SIZE`, encoding the ch
 by one makes exactly the blocks (and scales) of encoding the whole zero-padded vector: the
 phase-1 rounding of a replica's vector is the same as the one-shot method's.
 
+A format may also be a `_codec.Codec` with top-k: then every payload is sparse (kept values
+and their positions). Gather adds the R sparse payloads; two-phase sparsifies each of a
+replica's R chunks on its own, and the owner re-sparsifies the reduced chunk (the owner's
+error e2 below is then everything that second top-k dropped).
+
 **Choice of method (`method="auto"`).** Format "none" -> "psum". Otherwise "gather" for
 R <= 2 and "two_phase" for R > 2. At R = 2 both move the same bytes (one payload, up to
 block padding), but two-phase needs two collectives and rounds twice, so the one-shot

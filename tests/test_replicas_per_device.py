@@ -69,6 +69,7 @@ def test_r_replicas_on_one_device_equal_r_replicas_on_r_devices(overrides, toler
     assert np.all(np.isfinite(losses)) and losses[-1].mean() < losses[0].mean()
 
 
+@pytest.mark.slow  # three trainings of the small model
 def test_a_checkpoint_resumes_onto_another_replicas_per_device(tmp_path):
     overrides = dict(num_fragments=2, overlap_steps=1, quantize="int8", error_feedback=True)
     reference = _core(1, **overrides)

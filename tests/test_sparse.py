@@ -113,6 +113,7 @@ def _core(**overrides) -> DiLoCo:
     return DiLoCo(**{**kwargs, **overrides})
 
 
+@pytest.mark.slow  # two trainings of the small model
 def test_resume_with_sparse_residuals_in_flight_is_bit_exact(tmp_path):
     make = lambda: _core(num_fragments=3, overlap_steps=1)  # noqa: E731
     model = StackedMLP(key=jax.random.key(0))

@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -13,6 +12,7 @@ from models._config import attention_rule
 
 from .._arguments import check_arguments
 from .._errors import ConfigError
+from ._flags import FLAGS, check_backend, flag_names  # noqa: F401  (re-exported: the CLI's flag names)
 
 Algorithm = Literal["diloco", "ddp"]
 QuantizeFormat = Literal["none", "bf16", "fp8", "int8", "int4", "e3m0", "int2"]
@@ -242,35 +242,6 @@ class Config:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
-
-
-# `DiLoCo`'s argument names as this CLI's flags (the core's errors name the arguments).
-FLAGS = {
-    "num_replicas": "--diloco.num-replicas", "sync_period": "--diloco.sync-period",
-    "num_fragments": "--diloco.num-fragments", "fragment_pattern": "--diloco.fragment-pattern",
-    "overlap_steps": "--diloco.overlap-steps", "alpha": "--diloco.alpha", "quantize": "--diloco.quantize",
-    "error_feedback": "--diloco.error-feedback", "outer_overlap": "--diloco.outer-overlap",
-    "exchange": "--diloco.exchange", "router_sync_period": "--diloco.router-sync-period",
-    "on_nonfinite": "--train.on-nonfinite", "data_parallel": "--mesh.data", "comm_device": "--diloco.comm-device",
-    "algorithm": "--algorithm", "replicas_per_device": "--mesh.replicas-per-device",
-    "topk_chunk": "--diloco.topk-chunk", "topk": "--diloco.topk",
-}
-
-
-def flag_names(message: str) -> str:
-    """A core error message with each `DiLoCo` argument name replaced by its flag."""
-    return re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda match: FLAGS[match.group(1)], message)
-
-
-def check_backend(config: Config, backend: str, nvidia_gpu: bool) -> None:
-    """The rules that need JAX's backend (`backend`, e.g. "cpu"; `nvidia_gpu`: it is an NVIDIA GPU):
-    `--model.attention cudnn` where cuDNN flash attention cannot run. One-line `ConfigError`."""
-    m = config.model
-    if m.attention != "cudnn":
-        return
-    dtype = m.dtype if m.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
-    problem = attention_rule(m, nvidia_gpu=nvidia_gpu, dtype=dtype)
-    _require(problem is None, f"--model.attention cudnn {problem} (backend {backend}, --model.dtype {m.dtype})")
 
 
 def validate(config: Config) -> None:
