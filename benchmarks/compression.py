@@ -7,6 +7,8 @@ Settings (every one with error feedback except float32):
     int4, int2       dense blocked formats
     topk10-int2 ...  top-k at 10%, 3%, 2% and 1% (chunks of 65536, the default), values in int2 or int4
     topk3-int2-chunk256  top-k 3% of each 256-value chunk (1-byte positions), int2
+    topk2-int2-gather    top-k 2% + int2 through the one-shot gather (no re-sparsification; R = 4
+                     picks two-phase by itself)
     muon             Muon inside (optax.contrib.muon on the stacked matrices, AdamW elsewhere), float32 sync
     muon-topk2-int2  Muon inside, top-k 2% + int2
 
@@ -45,6 +47,7 @@ SETTINGS: dict[str, dict] = {
     **{f"topk{round(100 * d)}-{fmt}": dict(quantize=fmt, topk=d, **EF)
        for d in (0.10, 0.03, 0.02, 0.01) for fmt in ("int2", "int4")},
     "topk3-int2-chunk256": dict(quantize="int2", topk=0.03, topk_chunk=256, **EF),
+    "topk2-int2-gather": dict(quantize="int2", topk=0.02, exchange="gather", **EF),
     "muon": dict(inner="muon"),
     "muon-topk2-int2": dict(inner="muon", quantize="int2", topk=0.02, **EF),
 }

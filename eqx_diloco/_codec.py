@@ -19,9 +19,9 @@ d x (16 + 2 + 32/256) bits per parameter with 2-byte positions (0.54 at 3%, 0.36
 d x (8 + 2 + 32/256) with 1-byte positions (chunk <= 256: 0.32 at 3%).
 
 The default chunk, 65536, is the largest the 2-byte positions allow, so the selection is close
-to a top-k of the whole vector: on the embedded corpus (R = 2, H = 20, 500 steps) top-k 3% in
-256-value chunks ended 36% above float32 DiLoCo and 2% in 65536-value chunks 8% above, at
-0.32 and 0.41 bits per parameter (`benchmarks/compression.py`).
+to a top-k of the whole vector: on the embedded corpus (R = 2, H = 20, 500 steps, 3 seeds) top-k
+3% in 256-value chunks ended 27% above float32 DiLoCo and 2% in 65536-value chunks 7% above, at
+0.32 and 0.42 bits per parameter (`benchmarks/compression.py`).
 """
 
 import dataclasses

@@ -89,7 +89,7 @@ class DiLoCo(Results, Persistence):
       carried to the next sync).
     - `topk_chunk`: values per top-k chunk, a power of two from 8 to 65536 (positions take 1
       byte up to 256, else 2); the default 65536 selects nearly over the whole group, which
-      trained better than small chunks (see `_codec`).
+      trained far better than 256-value chunks (see `_codec`).
     - `error_feedback`: carry each replica's quantization residual to its next sync.
     - `outer_overlap`: `none` (a sync blocks, or overlaps tau steps), or overlap each sync's
       whole exchange with the next round of that group (arXiv 2502.12996, see `_eager`):
