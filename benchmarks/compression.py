@@ -110,6 +110,9 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
+Y_MIN, Y_MAX = -15.0, 40.0  # the plot's gap axis (%)
+
+
 def _plot(result: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -125,9 +128,14 @@ def _plot(result: dict, path: pathlib.Path) -> None:
                 ys.append(100 * row["gap"]["mean"])
                 es.append(100 * row["gap"]["sd"])
                 names.append(name)
-        ax.errorbar(xs, ys, yerr=es, fmt="o", capsize=3, label=f"R = {R}")
+        # Points above the axis (a diverged seed) sit on its top edge, with their mean written out.
+        shown = [min(y, Y_MAX) for y in ys]
+        ax.errorbar(xs, shown, yerr=[[min(e, y - Y_MIN) for e, y in zip(es, shown)], es], fmt="o", capsize=3,
+                    label=f"R = {R}")
         for x, y, name in zip(xs, ys, names):
-            ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            label = name if y <= Y_MAX else f"{name} ({y:+.0f}%)"
+            ax.annotate(label, (x, min(y, Y_MAX)), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_ylim(Y_MIN, Y_MAX + 3)
     ax.axhline(0, color="gray", lw=0.8)
     ax.axhline(1, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log")
