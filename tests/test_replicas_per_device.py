@@ -46,9 +46,9 @@ def _relative(a, b) -> float:
         (dict(), 1e-5),
         (dict(num_fragments=2, overlap_steps=1, alpha=0.5), 1e-5),  # streaming, tau = 1
         (dict(quantize="int4", error_feedback=True), 1e-3),  # two-phase exchange at R = 4
-        (dict(quantize="int4", error_feedback=True, exchange="gather"), 1e-3),
+        pytest.param(dict(quantize="int4", error_feedback=True, exchange="gather"), 1e-3, marks=pytest.mark.slow),
         (dict(outer_overlap="eager", quantize="int8", error_feedback=True), 1e-3),
-        (dict(algorithm="ddp"), 1e-5),
+        pytest.param(dict(algorithm="ddp"), 1e-5, marks=pytest.mark.slow),
     ],
     ids=["diloco", "streaming-tau1", "int4-ef-two-phase", "int4-ef-gather", "eager-int8", "ddp"],
 )
