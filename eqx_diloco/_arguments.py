@@ -23,7 +23,7 @@ def check_topk(topk: float | None, chunk: int) -> str | None:
         return f"topk_chunk must divide 65536 and be >= 8 (a power of two: positions are 1 or 2 bytes; got {chunk!r})"
     if topk is None:
         return None
-    if not (isinstance(topk, (int, float)) and math.isfinite(topk) and 0 < topk <= 1):
+    if isinstance(topk, bool) or not (isinstance(topk, (int, float)) and math.isfinite(topk) and 0 < topk <= 1):
         return f"topk must be a density in (0, 1] (got {topk!r})"
     return None
 

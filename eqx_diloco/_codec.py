@@ -8,7 +8,9 @@ whole chunks of `chunk` values; in each chunk the k = round(d x chunk) entries o
 magnitude are kept (ties by lower index, `jax.lax.top_k`), their values are quantized in
 `fmt` (blocks of `quantize.BLOCK_SIZE` kept values share a scale) and their positions in the
 chunk are sent as one unsigned byte each (chunk <= 256) or two (chunk <= 65536). A vector
-shorter than a chunk is one chunk of its own length. Decoding
+shorter than a chunk is one chunk of its own length, and at least one entry of every chunk is
+kept, so a short vector (or a two-phase range of one, each range being sparsified on its own)
+is sent denser than asked; `nbytes` counts what is sent. Decoding
 scatters the values back into zeros. Every payload of a vector of n values has the same
 shapes, so payloads travel through `all_gather` and `all_to_all` like dense ones. What
 top-k leaves out is not lost only with error feedback, which carries it to the next sync;

@@ -58,7 +58,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._codec import as_codec
-from ._exchange import resolve_method
+from ._exchange import resolve_method, sent_values
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
 from ._outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
@@ -135,11 +135,12 @@ class OverlappedOuter:
 
     def _wire_value(self, x):
         """What a replica's vector decodes to on the other side of the wire."""
-        codec = as_codec(self.fmt)
-        if codec.lossless:
+        if as_codec(self.fmt).lossless:
             return x
         flat = jnp.concatenate([v.ravel() for v in x])
-        return unflatten_like(codec.decode(codec.encode(flat), flat.shape[0]), x)
+        # Exactly the sender's rounding of the exchange (per chunk for two-phase: with top-k the
+        # selection is per chunk too).
+        return unflatten_like(sent_values(flat, self.fmt, self.num_replicas, self.method), x)
 
     def _outer_fn(self, i: int):
         group, opt, R, eager = self.groups[i], self.outer_opt, self.num_replicas, self.mode == "eager"

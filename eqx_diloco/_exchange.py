@@ -2,14 +2,15 @@
 
 `exchange_sum` runs *inside* a `jax.shard_map` body, over one mesh axis (the replica axis,
 "diloco" by default). Other mesh axes may exist; the values must be replicated over them
-(every collective here names only `axis_name`). Each replica passes its own flat float32
-vector and a 0/1 weight; every replica gets back the same float32 sum of the weighted,
-wire-rounded vectors, and its own quantization error for error feedback. The caller
+(every collective here names only `axis_name`). Each device passes the flat float32 vectors
+of the K replicas it holds (K = 1 unless replicas share devices) and a 0/1 weight each;
+every device gets back the same float32 sum of the weighted, wire-rounded vectors, and each
+replica's own quantization error for error feedback. The caller
 divides by the count of weighted replicas (a `psum` of the weights) to get the mean.
 
 Methods (`resolve_method` picks one):
 
-- `"psum"`: a float32 `psum` (format "none" only; lossless). On the wire a ring
+- `"psum"`: a float32 `psum` (format "none" without top-k only; lossless). On the wire a ring
   all-reduce: each replica sends `2 (R - 1) / R` of the float32 buffer.
 - `"gather"` (one shot): each replica encodes its whole vector into one payload, the
   payloads are `all_gather`ed, and every replica decodes all R of them and sums in float32
@@ -37,7 +38,7 @@ and their positions). Gather adds the R sparse payloads; two-phase sparsifies ea
 replica's R chunks on its own, and the owner re-sparsifies the reduced chunk (the owner's
 error e2 below is then everything that second top-k dropped).
 
-**Choice of method (`method="auto"`).** Format "none" -> "psum". Otherwise "gather" for
+**Choice of method (`method="auto"`).** Format "none" without top-k -> "psum". Otherwise "gather" for
 R <= 2 and "two_phase" for R > 2. At R = 2 both move the same bytes (one payload, up to
 block padding), but two-phase needs two collectives and rounds twice, so the one-shot
 exchange is never worse. From R = 3 two-phase sends fewer bytes ((R - 1) vs
@@ -113,8 +114,8 @@ def chunk_size(num_values: int, fmt: "str | Codec", num_replicas: int) -> int:
     """Values per chunk in the two-phase exchange: the vector is zero-padded to R chunks.
 
     A chunk is a multiple of the codec's alignment (`quantize.BLOCK_SIZE` for blocked
-    formats, the top-k chunk for sparse ones), so no quantization block or top-k chunk is
-    cut; "none" and "bf16" need none: `ceil(num_values / R)`.
+    formats), so no quantization block is cut; "none", "bf16" and sparse codecs (each chunk
+    is sparsified on its own, at the same density) need none: `ceil(num_values / R)`.
     """
     align = as_codec(fmt).align
     per_replica = -(-num_values // num_replicas)
@@ -193,6 +194,24 @@ def _gather_replicas(payload, axis_name: str):
     return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), gathered)
 
 
+def sent_values(flat: Float32[Array, " n"], fmt: "str | Codec", num_replicas: int, method: str) -> Float32[Array, " n"]:
+    """What one replica's vector decodes to after its own encoding under `method` (the first
+    rounding, before any reduction): one encode of the vector for "gather", an encode per
+    chunk for "two_phase" (which, for a sparse codec, is a top-k per chunk), the vector itself
+    for "psum"."""
+    codec = as_codec(fmt)
+    method = resolve_method(method, num_replicas, codec)
+    n = flat.shape[0]
+    if method == "psum":
+        return flat
+    if method == "gather":
+        return codec.decode(codec.encode(flat), n)
+    c = chunk_size(n, codec, num_replicas)
+    rows = jnp.pad(flat, (0, num_replicas * c - n)).reshape(num_replicas, c)
+    _, error = _encode_rows(rows, codec)
+    return (rows - error).reshape(-1)[:n]
+
+
 def exchange_sum(
     flat: Float32[Array, "*K n"],
     weight: Float32[Array, "*K"],
@@ -264,7 +283,10 @@ def _exchange_rows(rows, keep, codec: Codec, *, axis_name: str, method: str, R: 
     # Phase 1 (reduce-scatter): after the all_to_all, axis 1 is the sending device; reorder to
     # (owner k, sender replica), senders in replica order.
     received = jax.tree.map(lambda leaf: jax.lax.all_to_all(leaf, axis_name, 1, 1), chunks)
-    received = jax.tree.map(lambda leaf: jnp.moveaxis(leaf, 2, 0).reshape(K, R, *leaf.shape[3:]), received)
+    # (sender k, sender device, owner k) -> (owner k, sender device, sender k): replica d K + k.
+    received = jax.tree.map(
+        lambda leaf: jnp.moveaxis(leaf, 2, 0).swapaxes(1, 2).reshape(K, R, *leaf.shape[3:]), received
+    )
     owned = jax.vmap(lambda payloads: _sum_rows(payloads, codec, c, R))(received)  # (K, c)
     if codec.lossless:
         reduced, e2 = owned, jnp.zeros_like(owned)

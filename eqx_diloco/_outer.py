@@ -81,6 +81,8 @@ def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, s
         flat = jnp.concatenate([v.reshape(K, -1) for v in values], axis=1)
         total, error = exchange_sum(flat, weight, fmt, method=method)
         totals = unflatten_like(total, [v[0] for v in values])
+        # A non-finite replica's residual restarts from zero (with it the owner's error e2 of the
+        # chunk it owns in a two-phase exchange: one rounding of one sync, lost once).
         error = jnp.where(finite[:, None], error, jnp.zeros_like(error))
         offsets = np.cumsum([int(np.prod(v.shape[1:])) for v in values])[:-1]
         own_error = [piece.reshape(v.shape) for piece, v in zip(jnp.split(error, offsets, axis=1), values)]
@@ -99,7 +101,7 @@ def mean_outer_gradient(
     replicated. `finite` is (R,): whether each replica's outer gradient was finite. With
     `skip_nonfinite`, non-finite replicas are left out of the mean (if all are, the mean
     is zero). `exchange` is the collective (see `_exchange`): `auto` is a float32 psum per
-    leaf for format `none`, the one-shot payload all-gather at R <= 2 and the two-phase
+    leaf for format `none` without top-k, the one-shot payload all-gather at R <= 2 and the two-phase
     reduce-scatter + all-gather at R > 2; `gather` or `two_phase` force one (also for
     format `none`, which tests use). `num_replicas` defaults to the mesh's rows (K = 1).
     """
@@ -132,8 +134,8 @@ def _then_merge(sync, merge):
 def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
     """Copy arrays sharded PartitionSpec() or PartitionSpec("diloco") on `src` to the same spec on `dst`.
 
-    Row r of both meshes belongs to replica r and to one process, so every copy is local
-    to its process (a global `device_put` across device sets is refused in multi-controller
+    Row r of both meshes holds the same replicas (r K .. r K + K - 1) in one process, so every
+    copy is local to its process (a global `device_put` across device sets is refused in multi-controller
     JAX). The device that holds replica r's data on `src` is `src.devices[r, 0]`.
     """
     src_row = {d: r for r, d in enumerate(src.devices[:, 0])}

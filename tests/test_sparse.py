@@ -140,7 +140,9 @@ def test_resume_with_sparse_residuals_in_flight_is_bit_exact(tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [dict(outer_overlap="eager"), dict(num_fragments=3, overlap_steps=1),
-                                       dict(num_replicas=4, exchange="two_phase")], ids=["eager", "streaming", "r4"])
+                                       dict(num_replicas=4, exchange="two_phase"),
+                                       dict(num_replicas=4, outer_overlap="eager")],
+                         ids=["eager", "streaming", "r4", "eager-r4-two-phase"])
 def test_sparse_syncs_train_with_every_overlap(overrides):
     diloco = _core(**overrides)
     R = diloco.num_replicas
@@ -198,3 +200,21 @@ def test_muon_inside_is_any_optax_optimizer():
         state, metrics = diloco.step(state, make_batch(step, 2))
         losses.append(float(jnp.mean(metrics["loss"])))
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+
+
+def test_sent_values_follow_the_exchange_chunks():
+    """What eager's mailbox records as a replica's own share is what its exchange sends: under
+    two-phase a top-k per chunk of ceil(n / R) values, under gather one of the whole vector."""
+    from eqx_diloco._exchange import chunk_size, sent_values
+
+    n, R = 1000, 4
+    codec = Codec("int2", topk=0.02, chunk=65536)
+    x = np.array(jax.random.normal(jax.random.key(11), (n,)), np.float32)
+    c = chunk_size(n, codec, R)
+    padded = np.zeros(R * c, np.float32)
+    padded[:n] = x
+    per_chunk = np.concatenate([np_topk_round_trip(padded[i * c : (i + 1) * c], codec) for i in range(R)])[:n]
+    np.testing.assert_allclose(np.asarray(sent_values(jnp.asarray(x), codec, R, "two_phase")), per_chunk, rtol=1e-6)
+    whole = np_topk_round_trip(x, codec)
+    np.testing.assert_allclose(np.asarray(sent_values(jnp.asarray(x), codec, R, "gather")), whole, rtol=1e-6)
+    assert not np.allclose(per_chunk, whole)  # the two differ: the mailbox must know which
