@@ -63,7 +63,7 @@ def recommended_lr(dim: int) -> float:
 
     Adam's stable learning rate falls about as 1/width. The default 3e-3 is 0.38/width at the
     default width 128; GPT-3's table used 6e-4 at width 768 (0.46/width) and 2e-4 at 2048
-    (0.41/width); issue #31 saw 24 layers x 2048 diverge at the default 3e-3 (6.1/width)."""
+    (0.41/width); 24 layers x 2048 diverged at the default 3e-3 (6.1/width) on one H200."""
     return float(f"{0.5 / dim:.2g}")
 
 
