@@ -57,13 +57,16 @@ def ensure_cpu_devices(count: int) -> None:
 
 
 def too_few_devices(
-    need: int, *, process: int, have: int, platform: str, comm: bool, local_replicas: int
+    need: int, *, process: int, have: int, platform: str, comm: bool, local_replicas: int, per_device: int = 1
 ) -> ConfigError:
     """The one-line error for a process with `have` devices where the mesh needs `need`; what to do
-    differs between a CPU (simulate more) and an accelerator (share the devices)."""
+    differs between a CPU (simulate more) and an accelerator (share the devices). `per_device`
+    is the K that did not fit: once it holds all `local_replicas`, only fewer devices per row help."""
     comm_part = " + 1 communication device" if comm else ""
     if platform == "cpu":
         hint = f"on CPU call eqx_diloco.use_cpu_devices({need}) before JAX starts"
+    elif per_device >= local_replicas:
+        hint = f"lower data_parallel{' or set comm_device off' if comm else ''} to fit the {have} {platform} devices"
     else:
         hint = (f"lower data_parallel{', set comm_device off' if comm else ''} or raise replicas_per_device "
                 f"(a divisor of {local_replicas}) so that the replicas share the {have} {platform} devices")
@@ -121,7 +124,9 @@ def build_meshes(
         # before replicas are packed onto a device for it.
         comm_options = [comm_wanted, False] if comm_device == "auto" and comm_wanted else [comm_wanted]
         options = [(k, c) for k in divisors for c in comm_options]
-        K, comm = next((option for option in options if fits(*option)), (local_replicas, comm_wanted))
+        # Nothing fits: report the smallest need (every replica on one row, no automatic comm device).
+        fallback = (local_replicas, comm_wanted and comm_device != "auto")
+        K, comm = next((option for option in options if fits(*option)), fallback)
     elif comm_device == "auto" and not fits(K, comm):
         comm = False
     rows = local_replicas // K
@@ -129,7 +134,7 @@ def build_meshes(
     for p, devices in enumerate(by_process):
         if len(devices) < per_process:
             raise too_few_devices(per_process, process=p, have=len(devices), platform=platform, comm=comm,
-                                  local_replicas=local_replicas)
+                                  local_replicas=local_replicas, per_device=K)
     compute_rows, comm_rows = [], []
     for devices in by_process:
         compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, D))

@@ -151,6 +151,9 @@ def test_too_few_accelerator_devices_say_how_to_share_them():
     from eqx_diloco.lm.config import flag_names
 
     assert "--mesh.replicas-per-device" in flag_names(error) and "--mesh.data" in flag_names(error)
+    # With every replica on one device already, only fewer devices per replica can help.
+    packed = str(too_few_devices(2, process=0, have=1, platform="gpu", comm=False, local_replicas=2, per_device=2))
+    assert packed.endswith("; lower data_parallel to fit the 1 gpu devices")
 
 
 def test_with_one_replica_nothing_counts_as_sent():
