@@ -11,9 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from eqx_diloco import Checkpointer, ConfigError, DiLoCo
+from eqx_diloco import ConfigError, DiLoCo
 
 from custom_model import DEPTH, IN_DIM, WIDTH, StackedMLP, loss_fn, make_batch
+from util import resume_through_a_checkpoint
 
 
 def _replicated_copies_equal(tree) -> bool:
@@ -163,12 +164,8 @@ def test_checkpoint_through_the_core_resumes_bit_exactly_with_a_sync_in_flight(t
     for step in range(8):  # step 8 launched fragment 0's sync; its merge is due after step 9
         state, metrics = first.step(state, make_batch(step, 2))
     assert metrics["synced_fragment"] == 0
-    checkpointer = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
-    first.save(checkpointer, state, metadata={"note": "custom model"})
-    checkpointer.wait()
-
-    second = make()  # a fresh process would build a fresh object
-    restored = second.restore(Checkpointer(tmp_path / "ckpt", every=1, keep=2), model)
+    second, restored = resume_through_a_checkpoint(first, state, make, model, tmp_path / "ckpt",
+                                                   metadata={"note": "custom model"})
     assert int(restored.step) == 8
     state = restored
     for step in range(8, 14):

@@ -9,8 +9,9 @@ import optax
 import pytest
 
 from custom_model import DEPTH, StackedMLP, loss_fn, make_batch
+from util import resume_through_a_checkpoint
 from eager_reference import reference_overlapped
-from eqx_diloco import Checkpointer, ConfigError, DiLoCo, schedule
+from eqx_diloco import ConfigError, DiLoCo, schedule
 from eqx_diloco._fragments import stack_flags
 
 LR, MU = 0.7, 0.9
@@ -137,12 +138,7 @@ def test_resume_with_a_whole_round_exchange_in_flight_is_bit_exact(mode, tmp_pat
     for step in range(9):  # step 8 synced fragment 0 and launched its exchange: it lands at step 14
         state, metrics = first.step(state, batches(step))
     assert first._sync_groups[0].in_flight is not None
-    checkpointer = Checkpointer(tmp_path / "ckpt", every=1, keep=1)
-    first.save(checkpointer, state)
-    checkpointer.wait()
-
-    second = make()
-    state = second.restore(Checkpointer(tmp_path / "ckpt", every=1, keep=1), model)
+    second, state = resume_through_a_checkpoint(first, state, make, model, tmp_path / "ckpt", keep=1)
     for step in range(9, 20):
         state, _ = second.step(state, batches(step))
     for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(expected)):

@@ -18,8 +18,9 @@ import pytest
 from custom_model import StackedMLP, loss_fn, make_batch
 from jax.sharding import PartitionSpec
 from test_exchange import np_round_trip
+from util import resume_through_a_checkpoint
 
-from eqx_diloco import Checkpointer, ConfigError, DiLoCo
+from eqx_diloco import ConfigError, DiLoCo
 from eqx_diloco._codec import Codec
 from eqx_diloco._exchange import exchange_sum, wire_nbytes
 from eqx_diloco._mesh import build_meshes
@@ -128,11 +129,7 @@ def test_resume_with_sparse_residuals_in_flight_is_bit_exact(tmp_path):
     for step in range(8):  # fragment 0's sync was launched after step 7 and is still in flight
         state, _ = first.step(state, make_batch(step, 2))
     assert any(bool(jnp.any(r != 0)) for r in jax.tree.leaves(state.residuals))
-    checkpointer = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
-    first.save(checkpointer, state)
-    checkpointer.wait()
-    second = make()
-    state = second.restore(Checkpointer(tmp_path / "ckpt", every=1, keep=2), model)
+    second, state = resume_through_a_checkpoint(first, state, make, model, tmp_path / "ckpt")
     for step in range(8, 14):
         state, _ = second.step(state, make_batch(step, 2))
     for a, b in zip(jax.tree.leaves(jax.device_get(second.settle(state)[0])), jax.tree.leaves(expected)):
