@@ -21,6 +21,7 @@ from benchmarks._harness.runs import (  # noqa: F401
     TemporaryRunDirs,
     average_seeds,
     read_metrics,
+    small_lm_config,
     summarize_run,
     train_and_summarize,
 )

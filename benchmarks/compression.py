@@ -26,7 +26,6 @@ and `--replicas` pick a subset. 4 simulated CPU devices, pinned.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -54,21 +53,10 @@ SETTINGS: dict[str, dict] = {
 
 
 def make_config(setting: str, replicas: int, seed: int, run_dir: pathlib.Path, args):
-    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, OptimConfig, TrainConfig
-    from models import TransformerConfig
-
-    q = args.quick
     options = dict(SETTINGS[setting])
-    optim = OptimConfig(inner=options.pop("inner", "adamw"))
-    model = TransformerConfig(num_layers=2 if q else 4, dim=32 if q else 64, num_heads=2 if q else 4,
-                              mlp_ratio=2 if q else 4)
-    train = TrainConfig(steps=args.steps, batch_size=2 if q else 4, seq_len=16 if q else 64, lr=3e-3,
-                        warmup_steps=2 if q else 20, seed=seed, log_every=10, eval_every=args.steps // 5,
-                        eval_sequences=8 if q else 64)
-    diloco = dataclasses.replace(DiLoCoConfig(num_replicas=replicas, sync_period=args.sync_period), **options)
-    return Config(run_dir=run_dir, model=model, diloco=diloco, train=train, optim=optim,
-                  data=DataConfig(source="corpus", max_corpus_bytes=200_000 if q else 8_000_000),
-                  checkpoint=CheckpointConfig(every=0), compile_cache=False)
+    optim = {"inner": options.pop("inner")} if "inner" in options else None
+    return common.small_lm_config(quick=args.quick, steps=args.steps, sync_period=args.sync_period,
+                                  num_replicas=replicas, seed=seed, run_dir=run_dir, diloco=options, optim=optim)
 
 
 def _run(setting: str, replicas: int, seed: int, args) -> dict:

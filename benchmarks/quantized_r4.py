@@ -29,21 +29,8 @@ METHODS = {"float32": {}, "int4_two_phase": dict(quantize="int4", error_feedback
 
 
 def make_config(method: str, seed: int, run_dir: pathlib.Path, args):
-    import dataclasses
-
-    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, TrainConfig
-    from models import TransformerConfig
-
-    q = args.quick
-    model = TransformerConfig(num_layers=2 if q else 4, dim=32 if q else 64, num_heads=2 if q else 4,
-                              mlp_ratio=2 if q else 4)
-    train = TrainConfig(steps=args.steps, batch_size=2 if q else 4, seq_len=16 if q else 64, lr=3e-3,
-                        warmup_steps=2 if q else 20, seed=seed, log_every=10, eval_every=args.steps // 5,
-                        eval_sequences=8 if q else 64)
-    diloco = dataclasses.replace(DiLoCoConfig(num_replicas=4, sync_period=args.sync_period), **METHODS[method])
-    return Config(run_dir=run_dir, model=model, diloco=diloco, train=train,
-                  data=DataConfig(source="corpus", max_corpus_bytes=200_000 if q else 8_000_000),
-                  checkpoint=CheckpointConfig(every=0), compile_cache=False)
+    return common.small_lm_config(quick=args.quick, steps=args.steps, sync_period=args.sync_period, num_replicas=4,
+                                  seed=seed, run_dir=run_dir, diloco=METHODS[method])
 
 
 def main(argv=None) -> int:

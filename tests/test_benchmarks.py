@@ -198,3 +198,19 @@ def test_gpu_benchmark_smoke_runs_every_variant_and_says_when_torch_is_missing(t
     assert rows["torch"]["error"].startswith(("torch is not installed", "no PyTorch reference at"))
     table = (tmp_path / "gpu.md").read_text()
     assert "| inner-r2 |" in table and "| torch | " in table
+
+
+@pytest.mark.slow  # trains four microscopic runs
+def test_compression_smoke_tabulates_gaps_and_bits(tmp_path):
+    from benchmarks import compression
+
+    assert compression.main(["--quick", "--out", str(tmp_path), "--settings", "topk2-int2,muon", "--replicas", "2",
+                             "--seeds", "0", "1"]) == 0
+    result = json.loads((tmp_path / "compression.json").read_text())
+    rows = result["by_replicas"]["2"]
+    assert list(rows) == ["float32", "topk2-int2", "muon"]  # float32 is always run: every gap is to it
+    assert rows["float32"]["bits_per_parameter"] == 32 and rows["float32"]["gap"] is None
+    assert 0 < rows["topk2-int2"]["bits_per_parameter"] < 1
+    assert rows["topk2-int2"]["wire_bytes"] < rows["float32"]["wire_bytes"]
+    assert rows["muon"]["gap"]["n"] == 2 and rows["muon"]["gap"]["seeds"] == [0, 1]
+    assert "| topk2-int2 |" in (tmp_path / "compression.md").read_text()

@@ -111,3 +111,24 @@ class TemporaryRunDirs:
     def __exit__(self, *exc):
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def small_lm_config(*, quick: bool, steps: int, sync_period: int, num_replicas: int, seed: int,
+                    run_dir: pathlib.Path, diloco: dict[str, Any] | None = None, optim: dict[str, Any] | None = None):
+    """The small LM run the outer-gradient benchmarks compare settings on: 4 layers x 64, 4
+    sequences x 64 tokens per replica step, lr 3e-3, the embedded corpus (8 MB), evaluations
+    every steps / 5 on 64 held-out sequences, no checkpoints, no compilation cache; `quick`
+    shrinks all of it for tests. `diloco` and `optim` override `DiLoCoConfig` / `OptimConfig` fields."""
+    from eqx_diloco.lm.config import CheckpointConfig, Config, DataConfig, DiLoCoConfig, OptimConfig, TrainConfig
+    from models import TransformerConfig
+
+    q = quick
+    model = TransformerConfig(num_layers=2 if q else 4, dim=32 if q else 64, num_heads=2 if q else 4,
+                              mlp_ratio=2 if q else 4)
+    train = TrainConfig(steps=steps, batch_size=2 if q else 4, seq_len=16 if q else 64, lr=3e-3,
+                        warmup_steps=2 if q else 20, seed=seed, log_every=10, eval_every=steps // 5,
+                        eval_sequences=8 if q else 64)
+    return Config(run_dir=run_dir, model=model, train=train, optim=OptimConfig(**(optim or {})),
+                  diloco=DiLoCoConfig(num_replicas=num_replicas, sync_period=sync_period, **(diloco or {})),
+                  data=DataConfig(source="corpus", max_corpus_bytes=200_000 if q else 8_000_000),
+                  checkpoint=CheckpointConfig(every=0), compile_cache=False)
