@@ -28,6 +28,14 @@ def check_topk(topk: float | None, chunk: int) -> str | None:
     return None
 
 
+def check_replicas_per_process(num_replicas: int, num_processes: int, replicas_per_device: int | None) -> None:
+    """`replicas_per_device` (None: automatic) must divide each process's R / processes replicas."""
+    local_replicas = num_replicas // num_processes
+    _require(replicas_per_device is None or local_replicas % replicas_per_device == 0,
+             f"replicas_per_device must divide the replicas of each process (got {replicas_per_device} and "
+             f"{local_replicas} = num_replicas {num_replicas} / {num_processes} processes)")
+
+
 def check_arguments(
     *,
     num_replicas: int,

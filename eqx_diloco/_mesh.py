@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ._arguments import check_replicas_per_process
 from ._errors import ConfigError
 
 AXES = ("diloco", "data")
@@ -103,11 +104,7 @@ def build_meshes(
     if R % num_processes:
         raise ConfigError(f"num_replicas must be divisible by the process count (got {R} and {num_processes})")
     local_replicas = R // num_processes
-    if replicas_per_device is not None and local_replicas % replicas_per_device:
-        raise ConfigError(
-            f"replicas_per_device must divide the replicas of each process (got {replicas_per_device} and "
-            f"{local_replicas} = num_replicas {R} / {num_processes} processes)"
-        )
+    check_replicas_per_process(R, num_processes, replicas_per_device)
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
                   for p in range(num_processes)]
     have = min(len(devices) for devices in by_process)

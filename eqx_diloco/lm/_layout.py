@@ -6,8 +6,10 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
+from .._arguments import check_replicas_per_process
 from .._errors import ConfigError
 from ._cluster import DetectedCluster, detect_cluster
+from ._flags import flag_names
 
 if TYPE_CHECKING:
     from .config import Config
@@ -103,10 +105,10 @@ def devices_needed(config: "Config") -> int:
         )
     if not 0 <= process_id < num_processes:
         raise ConfigError(f"{layout.source('id')} must be in [0, {num_processes}) (got {process_id})")
-    local_replicas = R // num_processes
+    try:  # the core's rule, in this CLI's flags
+        check_replicas_per_process(R, num_processes, config.mesh.replicas_per_device or None)
+    except ConfigError as e:
+        raise ConfigError(flag_names(str(e))) from None
     K = config.mesh.replicas_per_device or 1
-    if local_replicas % K:
-        raise ConfigError(f"--mesh.replicas-per-device must divide the replicas of each process (got {K} and "
-                          f"{local_replicas} = --diloco.num-replicas {R} / {num_processes} processes)")
-    return local_replicas // K * (config.mesh.data + int(wants_comm_device(config)))
+    return R // num_processes // K * (config.mesh.data + int(wants_comm_device(config)))
 
