@@ -120,10 +120,6 @@ class Codec:
         kept = self._chunks(n) * self.k_for(n)
         return kept * (1 if self.chunk_for(n) <= 256 else 2) + quantize.payload_nbytes((kept,), self.fmt)
 
-    def bits_per_value(self, n: int) -> float:
-        """Payload bits per value of a vector of n values."""
-        return 8 * self.nbytes(n) / max(n, 1)
-
 
 def zero_if_skipped(payload: quantize.Payload | SparsePayload, keep: Array) -> quantize.Payload | SparsePayload:
     """A payload that decodes to exact zeros when `keep` is False (NaN scales included)."""
