@@ -4,7 +4,10 @@ Every method trains the same model as 2 processes (one replica each) joined by
 `jax.distributed`, inside a network namespace whose loopback is shaped to
 `--bandwidth` (see `eqx_diloco.lm.launch`). Methods:
 
-- compute_only: DiLoCo with no sync in the run (the floor);
+- compute_only: DiLoCo with no sync in the run (the floor), one device per process;
+- compute_only_comm: the same with the overlapped methods' device layout (a
+  communication device beside each replica's compute device, `--diloco.overlap-steps 1`
+  with no sync in the run): the floor of the overlapped methods;
 - ddp: a gradient all-reduce every step;
 - diloco: a blocking sync of everything every H steps;
 - streaming: P fragments, one blocking sync every H/P steps;
@@ -21,11 +24,15 @@ s/step is measured from the metrics' timestamps after a warm-up that covers ever
 program's compilation (the first sync of every fragment); ddp, whose steps are all alike
 and slow, runs fewer steps.
 
-Compute utilization is a paired ratio. A repeat runs compute_only, then each method
-followed by another compute_only (C M1 C M2 ... Mk C), the methods in a rotated order
-from repeat to repeat; a method's utilization in that repeat is the mean s/step of the
-two compute_only runs on either side of it divided by its own s/step. The machine's speed
-drifts over minutes, so only runs next to each other are compared. The table gives, per
+Compute utilization is a paired ratio against the compute-only run of the method's own
+device layout. A repeat runs, per layout, that layout's compute-only run, then each of its
+methods followed by another compute-only run (C M1 C M2 ... Mk C), the methods in a
+rotated order from repeat to repeat and the layouts in alternating order; a method's
+utilization in that repeat is the mean s/step of the two compute-only runs on either side
+of it divided by its own s/step. The machine's speed drifts over minutes, so only runs
+next to each other are compared, and a method is only compared with runs that place its
+replica on the same devices (a second device per process changes how XLA's CPU client
+schedules the compute). The table gives, per
 method, the mean over repeats with the half-width of its 95% t-interval. Needs root
 (network namespaces).
 
@@ -33,7 +40,7 @@ The JSON (`--json`) is rewritten after every repeat, so an interrupted run keeps
 repeats it finished. Per method it holds `compute_utilization` as `{n, mean, sd, ci95,
 values}` (`values`: one paired ratio per repeat), the median `s_per_step`, and per repeat
 `s_per_step_repeats` and `compute_only_s_per_step_repeats` (the mean of the two
-neighbouring compute_only runs); `revision` is the code's git commit.
+neighbouring runs of its compute-only `baseline`); `revision` is the code's git commit.
 
     python -m benchmarks.overlap --quick --repeats 8 --only ddp diloco streaming_overlap_tau3 eager \\
         --json benchmarks/results/overlap.json
@@ -59,8 +66,10 @@ from eqx_diloco.lm.launch import LinkLimit
 def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
     stream = ["--diloco.sync-period", str(H), "--diloco.num-fragments", str(P)]
     int4 = ["--diloco.quantize", "int4", "--diloco.error-feedback"]
+    no_sync = ["--diloco.sync-period", "1000000"]
     return {
-        "compute_only": ["--diloco.sync-period", "1000000"],
+        "compute_only": no_sync,
+        "compute_only_comm": [*no_sync, "--diloco.overlap-steps", "1"],
         "ddp": ["--algorithm", "ddp"],
         "diloco": ["--diloco.sync-period", str(H)],
         "streaming": stream,
@@ -76,6 +85,15 @@ def method_flags(H: int, P: int, tau_large: int) -> dict[str, list[str]]:
         "eager_metrics_lag0": ["--diloco.sync-period", str(H), "--diloco.outer-overlap", "eager",
                                "--dist.metrics-lag", "0"],
     }
+
+
+BASELINES = ("compute_only", "compute_only_comm")
+
+
+def baseline_of(flags: list[str]) -> str:
+    """The compute-only run with the same device layout as a method with these flags: an
+    overlapped sync (tau > 0 or an eager/delayed outer overlap) adds a communication device."""
+    return "compute_only_comm" if {"--diloco.overlap-steps", "--diloco.outer-overlap"} & set(flags) else "compute_only"
 
 
 def seconds_per_step(metrics: Path, warmup: int) -> float:
@@ -114,20 +132,37 @@ def rotated(names: list[str], repeat: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def paired_repeat(run, names: list[str]) -> dict[str, dict]:
-    """One repeat: compute_only, then each method followed by a compute_only run.
+def paired_repeat(run, names: list[str], baseline: dict[str, str] | None = None) -> dict[str, dict]:
+    """One repeat: each method between two runs of its compute-only baseline.
 
-    `run(name)` returns `run_method`'s dict. Each method's record gets the mean s/step of
-    the compute_only runs just before and just after it (`compute_only_s_per_step`).
+    `run(name)` returns `run_method`'s dict; `baseline[name]` names the method's
+    compute-only run (default `compute_only` for all). A baseline run is shared by the
+    methods on either side of it when both use it. Each method's record gets the mean s/step
+    of the baseline runs just before and just after it (`compute_only_s_per_step`) and the
+    baseline's name (`baseline`).
     """
-    before = run("compute_only")
-    out = {}
+    baseline = baseline or {}
+    before, out = None, {}
     for name in names:
+        base = baseline.get(name, "compute_only")
+        if before is None or before[0] != base:
+            before = (base, run(base))
         result = run(name)
-        after = run("compute_only")
-        out[name] = result | {"compute_only_s_per_step": (before["s_per_step"] + after["s_per_step"]) / 2}
+        after = (base, run(base))
+        out[name] = result | {"baseline": base,
+                              "compute_only_s_per_step": (before[1]["s_per_step"] + after[1]["s_per_step"]) / 2}
         before = after
     return out
+
+
+def repeat_order(names: list[str], baseline: dict[str, str], repeat: int) -> list[str]:
+    """Repeat `repeat`'s order: the methods grouped by baseline (so each group's baseline
+    runs are shared), each group rotated, the groups' order alternating between repeats."""
+    groups = [[n for n in names if baseline[n] == b] for b in BASELINES]
+    groups = [rotated(g, repeat) for g in groups if g]
+    if repeat % 2:
+        groups.reverse()
+    return [name for group in groups for name in group]
 
 
 def summarize(repeats: list[dict[str, dict]]) -> dict[str, dict]:
@@ -141,20 +176,22 @@ def summarize(repeats: list[dict[str, dict]]) -> dict[str, dict]:
                      "compute_utilization": common.mean_sd(utilization),
                      "s_per_step_repeats": [run["s_per_step"] for run in runs],
                      "compute_only_s_per_step_repeats": [run["compute_only_s_per_step"] for run in runs],
+                     "baseline": runs[0].get("baseline", "compute_only"),
                      "bytes_per_sync": runs[0]["bytes_per_sync"], "steps": runs[0]["steps"],
                      "timed_after_step": runs[0]["timed_after_step"]}
     return out
 
 
 def render_table(results: dict[str, dict]) -> str:
-    rows = [{"method": name, "s_per_step": r["s_per_step"],
+    rows = [{"method": name, "baseline": r["baseline"], "s_per_step": r["s_per_step"],
              "compute_only": statistics.median(r["compute_only_s_per_step_repeats"]),
              "utilization": r["compute_utilization"], "range": r["compute_utilization"]["values"],
              "bytes": r["bytes_per_sync"]} for name, r in results.items()]
     return common.markdown_table(rows, [
         ("method", "method", None),
         ("s/step (median)", "s_per_step", "{:.3f}".format),
-        ("compute only s/step (median)", "compute_only", "{:.3f}".format),
+        ("paired with", "baseline", None),
+        ("its s/step (median)", "compute_only", "{:.3f}".format),
         ("compute utilization, mean +- 95% CI", "utilization",
          lambda u: f"{u['mean']:.3f} +- {u['ci95']:.3f}" if u["ci95"] is not None else f"{u['mean']:.3f}"),
         ("range over repeats", "range", lambda v: f"{min(v):.2f}-{max(v):.2f}"),
@@ -171,7 +208,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-fragments", type=int, default=4, help="P (num_layers must be divisible by P - 1)")
     parser.add_argument("--steps", type=int, default=None, help="steps of the syncing methods (default warm-up + 2H quick, + 4H full)")
     parser.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default H + H/P)")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these methods (compute_only always runs)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only these methods (with the compute-only runs of their layouts)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here (after every repeat)")
     parser.add_argument("--model-flags", default="--model.num-layers 6 --model.dim 128 --train.batch-size 4",
                         help="model and batch flags passed to every run")
@@ -195,11 +233,14 @@ def main(argv=None) -> int:
         unknown = sorted(set(args.only) - set(methods))
         if unknown:
             parser.error(f"--only: unknown method(s) {unknown}; choose from {sorted(methods)}")
-        methods = {k: v for k, v in methods.items() if k == "compute_only" or k in args.only}
-    names = [name for name in methods if name != "compute_only"]
+        methods = {k: v for k, v in methods.items() if k in BASELINES or k in args.only}
+    names = [name for name in methods if name not in BASELINES]
+    baseline = {name: baseline_of(methods[name]) for name in names}
     header = {"link": args.bandwidth, "sync_period": H, "num_fragments": P, "steps": steps, "warmup": warmup,
               "eager_warmup": eager_warmup, "ddp_steps": ddp_steps, "model_flags": args.model_flags,
-              "pairing": "each method between two compute_only runs; utilization = their mean s/step / the method's",
+              "pairing": "each method between two runs of the compute-only baseline with its device layout "
+                         "(compute_only, or compute_only_comm for overlapped methods); utilization = their mean "
+                         "s/step / the method's",
               "revision": common.revision()}
     repeats = []
     with common.TemporaryRunDirs() as tmp:
@@ -219,7 +260,7 @@ def main(argv=None) -> int:
 
         for repeat in range(args.repeats):
             print(f"repeat {repeat + 1} of {args.repeats}", flush=True)
-            repeats.append(paired_repeat(run, rotated(names, repeat)))
+            repeats.append(paired_repeat(run, repeat_order(names, baseline, repeat), baseline))
             results = summarize(repeats)
             if args.json:
                 common.write_json(args.json, header | {"repeats": len(repeats), "methods": results})

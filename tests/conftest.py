@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -5,6 +6,9 @@ from pathlib import Path
 
 import jax
 
+# Tests check values, not speed: XLA's CPU backend without LLVM optimization compiles the many small
+# test programs faster (a fifth off the fast tier). Set before JAX's backend starts; subprocesses inherit it.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 # Simulated CPU devices for the ("diloco", "data") mesh; must be set before JAX starts.
 jax.config.update("jax_num_cpu_devices", 12)
 # Every implicit dtype promotion is a bug in this code base: make it an error in tests.
@@ -103,18 +107,36 @@ class SubprocessInFastTest(RuntimeError):
     pass
 
 
-@pytest.fixture(autouse=True)
-def _no_subprocess_in_fast_tests(request, monkeypatch):
-    if request.node.get_closest_marker("slow") is not None:
-        yield
-        return
-
+@contextlib.contextmanager
+def _refusing_processes(nodeid: str):
     def refuse(*args, **kwargs):
-        raise SubprocessInFastTest(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
+        raise SubprocessInFastTest(f"{nodeid} starts a process: mark it @pytest.mark.slow")
 
     import subprocess
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(os, "fork", refuse)
-    monkeypatch.setattr(os, "posix_spawn", refuse, raising=False)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(os, "posix_spawn", refuse, raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _no_subprocess_in_fast_tests(request):
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    with _refusing_processes(request.node.nodeid):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """The same rule for module- and session-scoped fixtures, which are set up before the
+    autouse fixture above: one first set up for a fast test may not start a process either."""
+    item = getattr(request, "_pyfuncitem", None)  # the test whose setup needs the fixture
+    if fixturedef.scope == "function" or item is None or item.get_closest_marker("slow") is not None:
+        yield
+        return
+    with _refusing_processes(item.nodeid):
+        yield

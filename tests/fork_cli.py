@@ -5,13 +5,15 @@ A bad-input case costs ~0.3 s of its own but ~3 s of Python start-up and imports
 Equinox, Orbax); forking a process that already paid them keeps every case a separate process
 (its own exit code, stderr, environment and working folder) at a tenth of the cost.
 
-Protocol: a pickled list of `(argv, env, cwd)` on stdin (argv = module then its arguments;
-bytes arguments reach the module as `python -m` would decode them), a pickled list of
-`(returncode, stdout bytes, stderr bytes)` on stdout, in the same order.
+Protocol (JSON, bytes as `{"b64": ...}`, see `encode`/`decode`): a list of `[argv, env, cwd]`
+on stdin (argv = module then its arguments; bytes arguments reach the module as `python -m`
+would decode them), a list of `[returncode, stdout bytes, stderr bytes]` on stdout, in the
+same order.
 """
 
+import base64
+import json
 import os
-import pickle
 import runpy
 import sys
 import tempfile
@@ -30,6 +32,21 @@ import eqx_diloco  # noqa: F401
 import models  # noqa: F401
 
 PARALLEL = 4
+
+
+def encode(value):
+    """`value` as JSON text, every bytes object as {"b64": base64 text}."""
+    def default(o):
+        if isinstance(o, bytes):
+            return {"b64": base64.b64encode(o).decode("ascii")}
+        raise TypeError(f"cannot encode {type(o).__name__}")
+
+    return json.dumps(value, default=default)
+
+
+def decode(text):
+    """`encode`'s inverse (tuples come back as lists)."""
+    return json.loads(text, object_hook=lambda d: base64.b64decode(d["b64"]) if set(d) == {"b64"} else d)
 
 
 def _child(argv: list, env: dict, cwd: str, out_path: str, err_path: str) -> None:
@@ -69,7 +86,7 @@ def _child(argv: list, env: dict, cwd: str, out_path: str, err_path: str) -> Non
 def main() -> None:
     from jax._src import xla_bridge
 
-    cases = pickle.load(sys.stdin.buffer)
+    cases = decode(sys.stdin.read())
     # Forking is only safe while no XLA backend (and its thread pools) exists in this process.
     assert not xla_bridge._backends, "the backend started before forking"
     results: list = [None] * len(cases)
@@ -94,7 +111,7 @@ def main() -> None:
             running[pid] = (i, out_path, err_path)
         while running:
             reap()
-    sys.stdout.buffer.write(pickle.dumps(results))
+    sys.stdout.write(encode(results))
     sys.stdout.flush()
 
 

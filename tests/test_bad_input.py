@@ -7,7 +7,6 @@ interpreter that imported JAX, Equinox and Orbax once (tests/fork_cli.py), a few
 import json
 import math
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from eqx_diloco.lm.config import Config, ConfigError
 from eqx_diloco.lm.export import save_model
 from eqx_diloco.lm.metrics import MetricsLog
 from models import Transformer, TransformerConfig
+
+import fork_cli
 
 TINY = TransformerConfig(num_layers=1, dim=16, num_heads=2, mlp_ratio=2)
 TRAIN = ("eqx_diloco.train", "--train.steps", "2", "--run-dir", "{tmp}/run")
@@ -139,13 +140,16 @@ def results(tmp_path_factory):
     # locking its run folder must not find another case's lock there.
     cases = [(_in(tmp, [a.replace("{tmp}/run", f"{{tmp}}/runs/{name}") if isinstance(a, str) else a for a in argv]),
               env, str(tmp)) for name, argv, env in named]
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fork_cli.py"))], input=pickle.dumps(cases),
-                          capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fork_cli.py"))],
+                          input=fork_cli.encode(cases).encode(), capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
     return {name: subprocess.CompletedProcess(argv, rc, out, err)
-            for (name, argv, _), (rc, out, err) in zip(named, pickle.loads(proc.stdout))}
+            for (name, argv, _), (rc, out, err) in zip(named, fork_cli.decode(proc.stdout.decode()))}
 
 
+# Every case is a process (forked by tests/fork_cli.py): the full suite's. test_cli.py checks the
+# flag checks in-process in the fast tier.
+@pytest.mark.slow
 @pytest.mark.parametrize("name, argv, env, flag", CASES, ids=[c[0] for c in CASES])
 def test_refused_with_one_line_naming_the_flag(results, name, argv, env, flag):
     proc = results[name]
@@ -157,6 +161,7 @@ def test_refused_with_one_line_naming_the_flag(results, name, argv, env, flag):
     assert lines[0].startswith("error: ") and flag in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_the_forking_runner_reports_what_python_m_would(results):
     greedy = results["sample-greedy"]
     assert greedy.returncode == 0, greedy.stderr.decode(errors="replace")

@@ -154,7 +154,7 @@ def test_markdown_table_and_jsonable():
 
 
 def test_overlap_pairs_each_method_with_its_neighbouring_compute_only_runs():
-    from benchmarks.overlap import paired_repeat, rotated, summarize
+    from benchmarks.overlap import baseline_of, paired_repeat, repeat_order, rotated, summarize
 
     # compute_only speeds drift: 0.2, 0.3, 0.4 s/step; each method sits between two of them.
     speeds = iter([0.2, 0.25, 0.3, 0.5, 0.4])
@@ -170,6 +170,21 @@ def test_overlap_pairs_each_method_with_its_neighbouring_compute_only_runs():
     assert one["eager"]["compute_only_s_per_step"] == pytest.approx(0.25)
     assert one["ddp"]["compute_only_s_per_step"] == pytest.approx(0.35)
     assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"] and rotated(["a", "b", "c"], 3) == ["a", "b", "c"]
+
+    # Two layouts: each method between runs of its own baseline; a baseline run is shared only within a layout.
+    speeds, names = iter([0.2, 0.6, 0.4, 0.3, 0.1, 0.5, 0.9, 0.3]), []
+    baseline = {"eager": "compute_only_comm", "tau3": "compute_only_comm", "ddp": "compute_only"}
+    order = repeat_order(["ddp", "eager", "tau3"], baseline, 1)
+    assert order == ["tau3", "eager", "ddp"]  # groups reversed on odd repeats, each rotated
+    two = paired_repeat(run, order, baseline)
+    assert names == ["compute_only_comm", "tau3", "compute_only_comm", "eager", "compute_only_comm",
+                     "compute_only", "ddp", "compute_only"]
+    assert two["tau3"]["compute_only_s_per_step"] == pytest.approx(0.3)  # (0.2 + 0.4) / 2
+    assert two["eager"]["compute_only_s_per_step"] == pytest.approx(0.25)  # (0.4 + 0.1) / 2
+    assert two["ddp"]["compute_only_s_per_step"] == pytest.approx(0.4)  # (0.5 + 0.3) / 2, not the comm runs
+    assert two["ddp"]["baseline"] == "compute_only" and two["eager"]["baseline"] == "compute_only_comm"
+    assert baseline_of(["--diloco.outer-overlap", "eager"]) == "compute_only_comm"
+    assert baseline_of(["--diloco.sync-period", "16"]) == "compute_only"
 
     def repeat(compute, eager):
         return {"eager": {"s_per_step": eager, "compute_only_s_per_step": compute, "bytes_per_sync": 5, "steps": 9,

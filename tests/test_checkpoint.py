@@ -31,10 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # (and the closed event loop they were meant for) report "Exception ignored in ..." tracebacks
 # when garbage-collected. That is expected here, so collect them at the end of each test (not at
 # interpreter exit, where they would be printed) and keep them out of the warnings summary.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:(?s)Exception ignored in.*(_read_array_index_and_device_put|Event loop is closed)"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        r"ignore:(?s)Exception ignored in.*(_read_array_index_and_device_put|Event loop is closed)"
+        ":pytest.PytestUnraisableExceptionWarning"
+    ),
+    # Every test here runs the CLI trainer (or its processes); the fast tier's checkpoint tests go
+    # through the core (test_custom_model.py, test_lifecycle.py).
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ def _replicated_copies_equal(tree) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_streaming_int4_error_feedback_trains_a_custom_model():
     diloco = DiLoCo(
         loss_fn=loss_fn,

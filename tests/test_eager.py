@@ -33,8 +33,9 @@ def _run(diloco, model, steps, batches):
     return np.stack(losses), state
 
 
-@pytest.mark.parametrize("num_fragments", [1, 3])
-@pytest.mark.parametrize("mode", ["delayed", "eager"])
+@pytest.mark.parametrize("mode,num_fragments", [pytest.param("delayed", 1, marks=pytest.mark.slow), ("eager", 1),
+                                               pytest.param("delayed", 3, marks=pytest.mark.slow),
+                                               pytest.param("eager", 3, marks=pytest.mark.slow)])
 def test_trainer_matches_the_paper_equations(mode, num_fragments):
     R, H, steps = 2, 6, 27  # 4 rounds of every fragment, plus a partial one
     model = StackedMLP(key=jax.random.key(0))
@@ -81,6 +82,7 @@ def test_eager_with_one_replica_is_blocking_diloco():
     np.testing.assert_allclose(eager, blocking, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_drained_eager_with_one_replica_is_blocking_diloco():
     model = StackedMLP(key=jax.random.key(1))
     batches = lambda s: make_batch(s, 1)  # noqa: E731
@@ -115,7 +117,7 @@ def test_delayed_is_not_blocking_diloco():
     assert not np.allclose(delayed[6:], blocking[6:])
 
 
-@pytest.mark.parametrize("mode", ["delayed", "eager"])
+@pytest.mark.parametrize("mode", [pytest.param("delayed", marks=pytest.mark.slow), "eager"])
 def test_quantized_with_error_feedback_trains(mode):
     diloco = _core(mode, num_fragments=3, quantize="int4", error_feedback=True, exchange="two_phase")
     losses, state = _run(diloco, StackedMLP(key=jax.random.key(0)), 36, lambda s: make_batch(s, 2))
@@ -125,6 +127,7 @@ def test_quantized_with_error_feedback_trains(mode):
     assert np.all(np.isfinite(np.asarray(jax.tree.leaves(diloco.global_params(state))[0])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["delayed", "eager"])
 def test_resume_with_a_whole_round_exchange_in_flight_is_bit_exact(mode, tmp_path):
     make = lambda: _core(mode, num_fragments=3, quantize="int8", error_feedback=True)  # noqa: E731
@@ -173,7 +176,8 @@ def test_compile_checks_of_the_overlapped_programs():
 
 
 @pytest.mark.parametrize("mode,overrides", [
-    ("eager", {}), ("delayed", dict(num_fragments=2)), ("none", dict(num_fragments=2, overlap_steps=2)),
+    pytest.param("eager", {}, marks=pytest.mark.slow), pytest.param("delayed", dict(num_fragments=2), marks=pytest.mark.slow),
+    pytest.param("none", dict(num_fragments=2, overlap_steps=2), marks=pytest.mark.slow),
     # Residuals travel with the exchange; and the exchange on the compute devices.
     ("eager", dict(quantize="int8", error_feedback=True, comm_device="off")),
     ("none", dict(num_fragments=2, overlap_steps=2, quantize="int8", error_feedback=True, comm_device="off")),

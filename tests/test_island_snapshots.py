@@ -29,6 +29,7 @@ def _leaves(state) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
+@pytest.mark.slow
 def test_reformed_run_continues_exactly_like_the_run_that_wrote_the_snapshot(tmp_path):
     snapshots = IslandSnapshots(tmp_path / "island-0", keep=100)
     diloco = _core()

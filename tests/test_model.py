@@ -20,7 +20,7 @@ def unrolled_logits(model: Transformer, tokens):
     return x @ head
 
 
-@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("tie", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_scan_equals_unrolled_loop(tie):
     config = TransformerConfig(num_layers=3, dim=32, num_heads=4, mlp_ratio=2, tie_embeddings=tie)
     model = Transformer(config, key=jax.random.key(1))

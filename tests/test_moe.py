@@ -46,7 +46,7 @@ def test_shapes_and_fields():
     np.testing.assert_allclose(jnp.std(moe.down), 0.02 / math.sqrt(2 * config.num_layers), rtol=0.05)
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("top_k", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_identical_experts_equal_dense_mlp(top_k):
     config = _config(top_k=top_k)
     k_mlp, k_moe, k_x = jax.random.split(jax.random.key(1), 3)
@@ -161,7 +161,7 @@ def test_transformer_moe_loss_and_router_grad():
     assert float(jnp.max(jnp.abs(grads.blocks.ffn.up))) > 0.0
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("top_k", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_router_task_gradient(top_k):
     """Without the aux loss, top_k=2 passes task gradient to the router; top_k=1 (gate 1.0) does not."""
     config = _config(top_k=top_k)

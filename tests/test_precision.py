@@ -72,6 +72,7 @@ def test_fused_attention_equals_the_written_out_attention_at_float32():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_remat_none_block_dots_give_the_same_loss_and_gradients(kind):
     config = with_(SMALL, kind=kind, dropout=0.1)  # dropout: the recomputed forward must draw the same masks
@@ -83,6 +84,7 @@ def test_remat_none_block_dots_give_the_same_loss_and_gradients(kind):
         assert_trees_close(grads, ref_grads, 1e-6)
 
 
+@pytest.mark.slow
 def test_scan_unroll_1_0_2_give_the_same_loss_and_gradients():
     ref_loss, ref_grads = loss_and_grads(with_(SMALL, scan_unroll=1), TOKENS)
     for unroll in (0, 2, 3):  # 3 does not divide 4 layers

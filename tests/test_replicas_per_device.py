@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from eqx_diloco import Checkpointer, ConfigError, DiLoCo
 from eqx_diloco._exchange import exchange_sum
 from eqx_diloco._mesh import build_meshes
+from util import slow_except
 
 R = 4
 
@@ -44,10 +45,10 @@ def _relative(a, b) -> float:
     "overrides,tolerance",
     [
         (dict(), 1e-5),
-        (dict(num_fragments=2, overlap_steps=1, alpha=0.5), 1e-5),  # streaming, tau = 1
+        pytest.param(dict(num_fragments=2, overlap_steps=1, alpha=0.5), 1e-5, marks=pytest.mark.slow),  # tau = 1
         (dict(quantize="int4", error_feedback=True), 1e-3),  # two-phase exchange at R = 4
         pytest.param(dict(quantize="int4", error_feedback=True, exchange="gather"), 1e-3, marks=pytest.mark.slow),
-        (dict(outer_overlap="eager", quantize="int8", error_feedback=True), 1e-3),
+        pytest.param(dict(outer_overlap="eager", quantize="int8", error_feedback=True), 1e-3, marks=pytest.mark.slow),
         pytest.param(dict(algorithm="ddp"), 1e-5, marks=pytest.mark.slow),
     ],
     ids=["diloco", "streaming-tau1", "int4-ef-two-phase", "int4-ef-gather", "eager-int8", "ddp"],
@@ -92,14 +93,18 @@ def test_a_checkpoint_resumes_onto_another_replicas_per_device(tmp_path):
         assert _relative(a, b) <= 1e-3
 
 
-@pytest.mark.parametrize("fmt,method", [("none", "psum"), ("int4", "gather"), ("int4", "two_phase"),
-                                        ("e3m0", "two_phase"), ("none", "two_phase")])
+@pytest.mark.parametrize("fmt,method", slow_except([("none", "psum"), ("int4", "gather"), ("int4", "two_phase"),
+                                                     ("e3m0", "two_phase"), ("none", "two_phase")],
+                                                    fast=[("int4", "gather"), ("int4", "two_phase")]))
 def test_exchange_sum_of_local_rows_equals_one_row_per_device(fmt, method):
     n = 300  # not a multiple of the block size: the two-phase chunks are padded
     scale = jnp.arange(1, R + 1, dtype=jnp.float32)[:, None]
     values = jax.random.normal(jax.random.key(3), (R, n), jnp.float32) * scale
-    if method != "psum":  # magnitudes 1e8 apart make float32 addition order-sensitive: a wrong order shows
-        values = values.at[:, :4].set(jnp.array([[1e8, 1, 1, 1], [-1e8, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]))
+    if method != "psum":  # magnitudes 1e8 apart make float32 addition order-sensitive: a wrong order shows.
+        # big = 7 * 2**24 decodes exactly in every format (int4 scale 2**24, e3m0 scale big), so the sums do
+        # not depend on whether the compiler fuses a decode's multiply into the add (it may, at any -O level).
+        big = float(7 * 2**24)
+        values = values.at[:, :4].set(jnp.array([[big, 1, 1, 1], [-big, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]))
     weights = jnp.array([1.0, 1.0, 1.0, 0.0], jnp.float32)  # replica 3 left out
     outputs = {}
     for K in (1, 2, 4):
@@ -118,7 +123,9 @@ def test_exchange_sum_of_local_rows_equals_one_row_per_device(fmt, method):
             np.testing.assert_allclose(outputs[K][1], outputs[1][1], rtol=1e-6, atol=1e-6)
         else:  # every sum in replica order, every chunk with its owner: bit for bit
             np.testing.assert_array_equal(outputs[K][0], outputs[1][0])
-            np.testing.assert_array_equal(outputs[K][1], outputs[1][1])
+            # An own error (value - decoded) may be one fused multiply-add or two roundings, as the compiler
+            # chooses per program: equal to float32 rounding (an error given to the wrong replica is O(1)).
+            np.testing.assert_allclose(outputs[K][1], outputs[1][1], rtol=0, atol=1e-6)
     if fmt == "none":
         expected = (values * weights[:, None]).sum(0)
         np.testing.assert_allclose(outputs[1][0], expected, rtol=1e-5, atol=1e-5)

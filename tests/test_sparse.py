@@ -136,8 +136,9 @@ def test_resume_with_sparse_residuals_in_flight_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("overrides", [dict(outer_overlap="eager"), dict(num_fragments=3, overlap_steps=1),
-                                       dict(num_replicas=4, exchange="two_phase"),
+@pytest.mark.parametrize("overrides", [pytest.param(dict(outer_overlap="eager"), marks=pytest.mark.slow),
+                                       pytest.param(dict(num_fragments=3, overlap_steps=1), marks=pytest.mark.slow),
+                                       pytest.param(dict(num_replicas=4, exchange="two_phase"), marks=pytest.mark.slow),
                                        dict(num_replicas=4, outer_overlap="eager")],
                          ids=["eager", "streaming", "r4", "eager-r4-two-phase"])
 def test_sparse_syncs_train_with_every_overlap(overrides):

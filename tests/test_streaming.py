@@ -38,6 +38,7 @@ def test_trainer_matches_plain_reference(make_config, diloco):
             assert diff.max() < 1e-4 and diff.mean() < 1e-6, (diff.max(), diff.mean())
 
 
+@pytest.mark.slow  # the trainer end to end; the core's P = 1 case: test_core_equivalence.py
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
 def test_one_fragment_no_overlap_is_plain_diloco(make_config, alpha):
     """P=1, tau=0: every leaf syncs at once, every H steps, by Nesterov SGD on the mean replica delta.

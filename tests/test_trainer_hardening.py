@@ -46,6 +46,7 @@ def _strict_json_lines(path: Path) -> list[dict]:
 
 # -- what the run says: compilation, summary, TensorBoard ----------------------------------
 
+@pytest.mark.slow  # trains through the CLI
 def test_compile_phase_summary_and_tensorboard(tmp_path, capsys):
     run = tmp_path / "run"
     assert main([*TINY, "--run-dir", str(run), "--train.steps", "4", "--train.eval-every", "2",
@@ -139,6 +140,7 @@ def test_skip_stops_when_every_replica_is_skipped_and_metrics_stay_json(tmp_path
     assert last["skipped_replicas"] == [0, 1]
 
 
+@pytest.mark.slow
 def test_stop_never_checkpoints_a_diverged_state_and_restore_step_goes_back(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     args = [*TINY, "--run-dir", str(run), "--train.steps", "8", "--checkpoint.every", "2", "--checkpoint.keep", "5"]
@@ -303,6 +305,7 @@ def test_unretrieved_task_errors_of_a_failed_save_are_not_logged():
     assert _drop_unretrieved_task_errors(record("Unclosed client session"))
 
 
+@pytest.mark.slow
 def test_rerun_with_checkpoints_elsewhere_keeps_the_first_runs_metrics(tmp_path, capsys):
     """Another --checkpoint.dir finds no checkpoint: the run starts at 0 without overwriting
     the earlier run's metrics.jsonl and config.json."""

@@ -1,7 +1,17 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from eqx_diloco import Checkpointer
+
+
+def slow_except(cases, fast):
+    """`cases` for `pytest.mark.parametrize`, every one not in `fast` marked slow: the fast tier
+    keeps a representative few of a family whose cases differ only in sizes or formats; the
+    full suite runs them all (same ids either way)."""
+    return [case if case in fast else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                                   marks=pytest.mark.slow) for case in cases]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
