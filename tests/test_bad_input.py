@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from eqx_diloco.lm import _preflight
 from eqx_diloco.lm._preflight import RunDirLock, check_memory, check_writable, memory_estimates
 from eqx_diloco.lm.config import Config, ConfigError
 from eqx_diloco.lm.export import save_model
@@ -183,7 +184,8 @@ def test_second_trainer_on_a_locked_run_dir_is_refused(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_run_dir_lock_is_exclusive_and_released(tmp_path):
+def test_run_dir_lock_is_exclusive_and_released(tmp_path, monkeypatch):
+    monkeypatch.setattr(_preflight, "_LOCK_RETRY_S", 0.1)  # how long a taker retries a held lock (2 s)
     with RunDirLock(tmp_path / "run"):
         with pytest.raises(ConfigError, match="in use by another trainer"):
             with RunDirLock(tmp_path / "run"):

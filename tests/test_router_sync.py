@@ -14,6 +14,7 @@ from util import read_metrics
 MOE = dict(kind="moe", num_experts=4, top_k=2)
 
 
+@pytest.mark.slow  # the trainer end to end
 def test_router_leaves_step_every_k_and_only_once_at_h(make_config):
     K, H, lr, mu = 2, 6, 0.7, 0.9
     config = make_config(model=MOE, diloco=dict(num_replicas=2, sync_period=H, router_sync_period=K))
