@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import _common as common
+from benchmarks._harness.device_timing import measure_matmul, peak_bytes, time_calls
 
 SHAPES = {
     "A": dict(layers=12, dim=768, heads=12, vocab=32768, seq=1024, batch=16),
@@ -76,47 +76,6 @@ def _configs(shape: dict, opts: dict, *, replicas: int, sync_period: int, run_di
                   diloco=DiLoCoConfig(num_replicas=replicas, sync_period=sync_period),
                   mesh=MeshConfig(replicas_per_device=replicas), data=DataConfig(source="synthetic"),
                   checkpoint=CheckpointConfig(every=0))
-
-
-def _time(step, block, *, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
-    """Median seconds per call of `step` over `rounds` timed rounds of `steps` calls each."""
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    block()
-    first_s = time.perf_counter() - t0
-    per_step = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        block()
-        per_step.append((time.perf_counter() - t0) / steps)
-    return {"step_s": statistics.median(per_step), "step_s_rounds": per_step, "warmup_s": first_s}
-
-
-def _peak_bytes() -> int | None:
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
-
-
-def measure_matmul(n: int, reps: int = 10) -> dict[str, Any]:
-    """The device's bfloat16 matmul rate: an n x n x n product, median of `reps`."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    matmul = jax.jit(jnp.matmul)
-    matmul(a, b).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        matmul(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return {"n": n, "flops_per_s": 2 * n**3 / statistics.median(times)}
 
 
 def measure_variant(shape: dict, variant: str, opts: dict) -> dict[str, Any]:
@@ -150,7 +109,7 @@ def measure_variant(shape: dict, variant: str, opts: dict) -> dict[str, Any]:
             def step():
                 carry[0], carry[1], _ = plain_step(carry[0], carry[1], one)
 
-            result = _time(step, lambda: jax.block_until_ready(carry), **timing)
+            result = time_calls(step, lambda: jax.block_until_ready(carry), **timing)
         elif variant == "round":
             holder = [state]
 
@@ -158,7 +117,7 @@ def measure_variant(shape: dict, variant: str, opts: dict) -> dict[str, Any]:
                 for _ in range(H):
                     holder[0], _ = trainer.core.step(holder[0], batch)
 
-            result = _time(one_round, lambda: jax.block_until_ready(holder[0]), warmup=1, steps=1,
+            result = time_calls(one_round, lambda: jax.block_until_ready(holder[0]), warmup=1, steps=1,
                            rounds=opts["rounds"])
             result["step_s"] /= H  # per inner step, the outer step's share included
             result["round_steps"] = H
@@ -168,8 +127,8 @@ def measure_variant(shape: dict, variant: str, opts: dict) -> dict[str, Any]:
             def step():
                 holder[0], _ = trainer.inner_step(holder[0], batch)
 
-            result = _time(step, lambda: jax.block_until_ready(holder[0]), **timing)
-    result.update(variant=variant, tokens_per_step=replicas * B * T, peak_bytes=_peak_bytes())
+            result = time_calls(step, lambda: jax.block_until_ready(holder[0]), **timing)
+    result.update(variant=variant, tokens_per_step=replicas * B * T, peak_bytes=peak_bytes())
     result["tokens_per_s"] = result["tokens_per_step"] / result["step_s"]
     return result
 

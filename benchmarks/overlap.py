@@ -31,8 +31,8 @@ rotated order from repeat to repeat and the layouts in alternating order; a meth
 utilization in that repeat is the mean s/step of the two compute-only runs on either side
 of it divided by its own s/step. The machine's speed drifts over minutes, so only runs
 next to each other are compared, and a method is only compared with runs that place its
-replica on the same devices (a second device per process changes how XLA's CPU client
-schedules the compute). The table gives, per
+replica on the same devices (a second device per process may change how the compute is
+scheduled). The table gives, per
 method, the mean over repeats with the half-width of its 95% t-interval. Needs root
 (network namespaces).
 

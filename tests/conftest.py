@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 
 # Tests check values, not speed: XLA's CPU backend without LLVM optimization compiles the many small
-# test programs faster (a fifth off the fast tier). Set before JAX's backend starts; subprocesses inherit it.
+# test programs faster (about a sixth off the fast tier). Set before the backend starts; subprocesses inherit it.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 # Simulated CPU devices for the ("diloco", "data") mesh; must be set before JAX starts.
 jax.config.update("jax_num_cpu_devices", 12)
