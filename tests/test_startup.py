@@ -72,6 +72,15 @@ def test_describe_setup_names_the_run():
     assert "packing      2 replicas per device (vmapped), too few devices for one each" in packed
 
 
+def test_the_cache_line_says_other_cpu_processes_compile_every_run(monkeypatch):
+    one = [line for line in describe_setup(Config()).splitlines() if line.startswith("  compilation")]
+    assert one == [f"  compilation  cached in {jax.config.jax_compilation_cache_dir}"]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # as process 0 of two sees it
+    two = [line for line in describe_setup(Config()).splitlines() if line.startswith("  compilation")]
+    assert two == [f"  compilation  cached in {jax.config.jax_compilation_cache_dir} (read back by process 0 only: "
+                   "on CPU the other processes compile every run)"]
+
+
 def test_cli_prints_the_banner_first(tmp_path, capsys):
     assert train_main([*TINY, "--train.steps", "2", "--checkpoint.every", "0", "--run-dir", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -139,6 +139,9 @@ def runtime_lines(config) -> list[str]:
         islands = [f"  islands      {island_map(d.num_replicas, num_processes)}"]
     cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None
     cache = f"cached in {cache_dir}" if cache_dir else "persistent cache off"
+    if cache_dir and num_processes > 1 and platform == "cpu":
+        # JAX writes entries from process 0 only, and CPU cache keys differ per process (docs/results.md).
+        cache += " (read back by process 0 only: on CPU the other processes compile every run)"
     return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config),
             *_compute_lines(config), f"  compilation  {cache}"]
 
