@@ -229,3 +229,22 @@ def test_compression_smoke_tabulates_gaps_and_bits(tmp_path):
     assert rows["topk2-int2"]["wire_bytes"] < rows["float32"]["wire_bytes"]
     assert rows["muon"]["gap"]["n"] == 2 and rows["muon"]["gap"]["seeds"] == [0, 1]
     assert "| topk2-int2 |" in (tmp_path / "compression.md").read_text()
+
+
+def test_vs_torchft_says_when_torchft_is_missing_and_computes_its_ratios(tmp_path, capsys):
+    from benchmarks import vs_torchft
+
+    assert vs_torchft.main(["--repeats", "1", "--torch-python", ""]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: torchft is not installed: no --torch-python given")
+    # eqx_diloco's tokens/s per replica: steps 10 -> 200 of the metrics' timestamps.
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "loss": 1.0, "time": 0.5 * s} for s in range(1, 201)] + [{"step": 200, "eval_loss": 1.0}]
+    metrics.write_text("\n".join(json.dumps(r) for r in records))
+    assert vs_torchft.eqx_tokens_per_s(metrics) == pytest.approx(190 * 256 / 95.0)
+    pairs = [{"torchft": {"wall_s": 5.0, "tokens_per_s_per_replica": 100.0},
+              "eqx_diloco": {"wall_s": w, "tokens_per_s_per_replica": t}, "load_average": (0.5, 0.5, 0.5)}
+             for w, t in ((10.0, 50.0), (5.0, 150.0))]
+    out = vs_torchft.summarize(pairs)
+    assert out["wall_ratio"]["values"] == [2.0, 1.0] and out["tokens_per_s_ratio"]["values"] == [0.5, 1.5]
+    assert "| diloco | 5.0, 5.0 | 10.0, 5.0 | 1.50 +- 0.71 | 1.00 +- 0.71 | 0.50, 0.50 |" in vs_torchft.render({"diloco": out})
