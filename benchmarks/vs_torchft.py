@@ -147,6 +147,9 @@ def main(argv=None) -> int:
         print(f"error: torchft is not installed: {missing}; set it up as {PEER / 'README.md'} says "
               "(a separate virtualenv) and pass --torch-python", file=sys.stderr)
         return 2
+    if not CORPUS.is_dir():
+        print(f"error: the text both systems train on is missing: {CORPUS} (Debian's license texts)", file=sys.stderr)
+        return 2
     results: dict[str, list] = {name: [] for name in args.only}
     with tempfile.TemporaryDirectory(prefix="vs_torchft_") as tmp:
         corpus = Path(tmp) / "corpus"
