@@ -57,6 +57,8 @@ def check_arguments(
     replicas_per_device: int | None = None,
     topk: float | None = None,
     topk_chunk: int = 65536,
+    fsdp: int = 1,
+    tensor: int = 1,
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
@@ -64,7 +66,8 @@ def check_arguments(
     selector was given.
     """
     for name, value in [("num_replicas", num_replicas), ("sync_period", sync_period),
-                        ("num_fragments", num_fragments), ("data_parallel", data_parallel)]:
+                        ("num_fragments", num_fragments), ("data_parallel", data_parallel), ("fsdp", fsdp),
+                        ("tensor", tensor)]:
         _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
     _require(replicas_per_device is None or (isinstance(replicas_per_device, int) and replicas_per_device >= 1),
              f"replicas_per_device must be an int >= 1 or None (got {replicas_per_device!r})")
@@ -83,6 +86,10 @@ def check_arguments(
              f"fragment_pattern must be strided, sequential or balanced (got {fragment_pattern!r})")
     _require(outer_overlap in ("none", "delayed", "eager"),
              f"outer_overlap must be none, delayed or eager (got {outer_overlap!r})")
+    if fsdp * tensor > 1:
+        _require(outer_overlap == "none",
+                 f"outer_overlap {outer_overlap} needs fsdp = tensor = 1 (got fsdp={fsdp}, tensor={tensor}); sharded "
+                 f"islands sync blocking or with overlap_steps")
     if algorithm == "ddp":
         for name, off in [("num_fragments", num_fragments == 1), ("overlap_steps", overlap_steps == 0),
                           ("alpha", alpha == 0), ("quantize", quantize == "none"), ("error_feedback", not error_feedback),

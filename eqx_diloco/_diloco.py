@@ -26,7 +26,7 @@ from . import schedule
 from ._arguments import check_arguments, check_batch
 from ._codec import Codec
 from ._errors import ConfigError
-from ._mesh import build_meshes
+from ._mesh import as_full_mesh, build_meshes
 from ._persistence import Persistence
 from ._programs import FIELDS as PROGRAM_FIELDS
 from ._programs import Programs, build_programs, is_trainable, signature
@@ -114,7 +114,18 @@ class DiLoCo(Results, Persistence):
       R / process count. None: 1 where there are devices enough, else the smallest K that
       fits (so R replicas train on one device). Results do not depend on K (up to float32
       summation order); checkpoints resume onto any K.
-    - `mesh`, `comm_mesh`: bring your own ("diloco", "data") meshes instead.
+    - `fsdp`, `tensor`: devices per replica on the `fsdp` and `tensor` mesh axes (a replica, or
+      island, spanning `data_parallel x fsdp x tensor` devices). Every array that mirrors a
+      parameter (replicas, inner and outer optimizer states, theta_g, residuals, mailboxes)
+      is sharded by `param_specs`; a sync moves each device's own shard over `diloco` (see
+      `_sharding`). Batches are split over `data x fsdp`.
+    - `param_specs`: `param_specs(abstract_model) -> tree of PartitionSpec` over the axes
+      `fsdp` and `tensor`, shaped like the model's trainable arrays (None in a slot:
+      replicated); the layer axis of the stack stays whole. None: the FSDP rule
+      (`fsdp_specs`: each leaf's largest dimension `fsdp` divides). `tensor > 1` needs it
+      (the bundled `Transformer.param_specs` gives the tensor-parallel rules).
+    - `mesh`, `comm_mesh`: bring your own ("diloco", "data", "fsdp", "tensor") or
+      ("diloco", "data") meshes instead.
 
     **Precision.** theta_g, the outer optimizer state, error-feedback residuals and the eager
     mailboxes are float32 even where the model's parameters are bfloat16 or float16 (a small
@@ -158,6 +169,9 @@ class DiLoCo(Results, Persistence):
         replicas_per_device: int | None = None,
         mesh: Mesh | None = None,
         comm_mesh: Mesh | None = None,
+        fsdp: int = 1,
+        tensor: int = 1,
+        param_specs: Callable[[PyTree], PyTree] | None = None,
     ):
         _require(callable(loss_fn), "loss_fn must be callable: loss_fn(model, batch, key) -> (loss, aux) or loss")
         _require(layers is None or callable(layers), "layers must be a selector (lambda model: model.blocks) or None")
@@ -168,8 +182,10 @@ class DiLoCo(Results, Persistence):
             error_feedback=error_feedback, outer_overlap=outer_overlap, exchange=exchange,
             router_sync_period=router_sync_period, has_routers=routers is not None, on_nonfinite=on_nonfinite,
             data_parallel=data_parallel, comm_device=comm_device, algorithm=algorithm,
-            replicas_per_device=replicas_per_device,
+            replicas_per_device=replicas_per_device, fsdp=fsdp, tensor=tensor,
         )
+        _require(param_specs is None or callable(param_specs),
+                 "param_specs must be a callable: param_specs(abstract_model) -> tree of PartitionSpec, or None")
         self.loss_fn, self.layers = loss_fn, layers
         self.num_replicas, self.sync_period, self.num_fragments = num_replicas, sync_period, num_fragments
         self.inner_optimizer = inner_optimizer
@@ -186,8 +202,13 @@ class DiLoCo(Results, Persistence):
             overlapped = self.is_diloco and (overlap_steps > 0 or self.outer_overlap != "none")
             comm = comm_device if overlapped else "off"
             mesh, comm_mesh = build_meshes(num_replicas, data_parallel, comm_device=comm,
-                                           replicas_per_device=replicas_per_device)
-        _require(mesh.axis_names == ("diloco", "data"), f"mesh axes must be ('diloco', 'data') (got {mesh.axis_names})")
+                                           replicas_per_device=replicas_per_device, fsdp=fsdp, tensor=tensor)
+        mesh = as_full_mesh(mesh)
+        comm_mesh = None if comm_mesh is None else as_full_mesh(comm_mesh)
+        # A mesh brought by the caller says how big an island is.
+        self.fsdp, self.tensor, self.param_specs = mesh.shape["fsdp"], mesh.shape["tensor"], param_specs
+        _require(comm_mesh is None or self.fsdp * self.tensor == 1,
+                 "comm_mesh needs fsdp = tensor = 1: a sharded island runs its syncs on its own devices")
         rows = mesh.shape["diloco"]
         _require(num_replicas % rows == 0 and replicas_per_device in (None, num_replicas // rows),
                  f"mesh has {rows} rows on 'diloco': num_replicas ({num_replicas}) must be rows x replicas_per_device"

@@ -198,6 +198,10 @@ class Fragmenter:
             return outside
         return outside + [(i, layers) for i, s in self._members(tree) if s]
 
+    def leaf_indices(self, tree: PyTree, fragment: int) -> list[int]:
+        """For each value `get` returns, the position (flatten order) of the leaf it comes from."""
+        return [i for i, _ in self._selection(tree, fragment)]
+
     def get(self, tree: PyTree, fragment: int, *, layer_axis: int = 0) -> list:
         """The values of `fragment` in `tree` as a flat list of arrays.
 

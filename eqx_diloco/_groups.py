@@ -22,6 +22,10 @@ class ParamGroup(Protocol):
 
     def put(self, tree: PyTree, values: list, *, layer_axis: int = 0) -> PyTree: ...
 
+    def leaf_indices(self, tree: PyTree) -> list[int]:
+        """Per value of `get`, the flatten-order position of its leaf (a slice keeps its leaf's layout)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class FragmentGroup:
@@ -35,6 +39,9 @@ class FragmentGroup:
 
     def put(self, tree, values, *, layer_axis=0):
         return self.fragmenter.put(tree, self.index, values, layer_axis=layer_axis)
+
+    def leaf_indices(self, tree):
+        return self.fragmenter.leaf_indices(tree, self.index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +60,9 @@ class LeafGroup:
         leaves, treedef = jax.tree.flatten(tree)
         it = iter(values)
         return jax.tree.unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, self.flags)])
+
+    def leaf_indices(self, tree):
+        return [i for i, f in enumerate(self.flags) if f]
 
 
 def make_groups(

@@ -1,6 +1,7 @@
-"""Devices, processes and the ("diloco", "data") meshes.
+"""Devices, processes and the ("diloco", "data", "fsdp", "tensor") meshes.
 
-Each row of the compute mesh owns `--mesh.data` compute devices and holds K replicas
+Each row of the compute mesh owns `data x fsdp x tensor` compute devices (one island: its
+parameters are sharded over `fsdp` and `tensor`, see `_sharding`) and holds K replicas
 (`replicas_per_device`, 1 unless a process has fewer devices than replicas); when syncs
 overlap compute, each row has one extra *communication device* (its row of the
 communication mesh). On
@@ -19,7 +20,8 @@ from jax.sharding import AxisType, Mesh
 from ._arguments import check_replicas_per_process
 from ._errors import ConfigError
 
-AXES = ("diloco", "data")
+AXES = ("diloco", "data", "fsdp", "tensor")
+INNER = ("data", "fsdp", "tensor")  # the axes inside one row (replica)
 
 
 def use_cpu_devices(count: int) -> None:
@@ -71,8 +73,22 @@ def too_few_devices(
     else:
         hint = (f"lower data_parallel{', set comm_device off' if comm else ''} or raise replicas_per_device "
                 f"(a divisor of {local_replicas}) so that the replicas share the {have} {platform} devices")
-    return ConfigError(f"(num_replicas / replicas_per_device) x (data_parallel{comm_part}) needs {need} devices per "
+    return ConfigError(f"(num_replicas / replicas_per_device) x (data_parallel x fsdp x tensor{comm_part}) needs {need} devices per "
                        f"process, process {process} has {have} ({platform}); {hint}")
+
+
+def as_full_mesh(mesh: Mesh) -> Mesh:
+    """A user's ("diloco", "data") mesh as a mesh over all four axes (fsdp = tensor = 1)."""
+    if mesh.axis_names == AXES:
+        return mesh
+    if mesh.axis_names != AXES[:2]:
+        raise ConfigError(f"mesh axes must be {AXES} or {AXES[:2]} (got {mesh.axis_names})")
+    return Mesh(mesh.devices[..., None, None], AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def row_devices(mesh: Mesh) -> np.ndarray:
+    """The devices of each row (replica group) of `mesh`, shape (rows, devices per row)."""
+    return mesh.devices.reshape(mesh.devices.shape[0], -1)
 
 
 def build_meshes(
@@ -81,13 +97,18 @@ def build_meshes(
     *,
     comm_device: Literal["auto", "on", "off"] = "off",
     replicas_per_device: int | None = None,
+    fsdp: int = 1,
+    tensor: int = 1,
 ) -> tuple[Mesh, Mesh | None]:
-    """The compute mesh (R / K, data) and, if asked for, the communication mesh (R / K, 1).
+    """The compute mesh (R / K, data, fsdp, tensor) and, if asked for, the communication mesh (R / K, 1, 1, 1).
 
     **Arguments:**
 
     - `num_replicas`: R, replicas in all; must be divisible by the process count.
     - `data`: devices per row on the `data` axis.
+    - `fsdp`, `tensor`: devices per row on the `fsdp` and `tensor` axes (a sharded island);
+      with either above 1 a row holds one replica and has no communication device (`on` is
+      refused, `auto` turns it off).
     - `comm_device`: `on` gives every row one extra communication device; `auto` does so on
       CPU only (where a second program on the same device would not overlap), and only
       where the process has the devices for it; `off`.
@@ -99,7 +120,16 @@ def build_meshes(
     propagates shardings (shard_map then accepts inputs that are not already laid out on the
     mesh).
     """
-    R, D = num_replicas, data
+    sharded = fsdp * tensor > 1
+    if sharded and comm_device == "on":
+        raise ConfigError(f"comm_device on needs fsdp = tensor = 1 (got fsdp={fsdp}, tensor={tensor}): a sharded "
+                          f"island runs its syncs on its own devices")
+    if sharded and replicas_per_device not in (None, 1):
+        raise ConfigError(f"replicas_per_device must be 1 with fsdp or tensor > 1 (got {replicas_per_device}): an "
+                          f"island spans devices, replicas do not share them")
+    if sharded:
+        comm_device, replicas_per_device = "off", 1
+    R, D = num_replicas, data * fsdp * tensor
     num_processes = jax.process_count()
     if R % num_processes:
         raise ConfigError(f"num_replicas must be divisible by the process count (got {R} and {num_processes})")
@@ -134,9 +164,9 @@ def build_meshes(
                                   local_replicas=local_replicas, per_device=K)
     compute_rows, comm_rows = [], []
     for devices in by_process:
-        compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, D))
-        comm_rows.append(np.asarray(devices[rows * D : per_process]).reshape(rows, int(comm)))
-    auto = (AxisType.Auto, AxisType.Auto)
+        compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, data, fsdp, tensor))
+        comm_rows.append(np.asarray(devices[rows * D : per_process]).reshape(rows, int(comm), 1, 1))
+    auto = (AxisType.Auto,) * len(AXES)
     mesh = Mesh(np.concatenate(compute_rows), AXES, axis_types=auto)
     comm_mesh = Mesh(np.concatenate(comm_rows), AXES, axis_types=auto) if comm else None
     return mesh, comm_mesh

@@ -30,6 +30,7 @@ from jaxtyping import Array
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
+from ._mesh import INNER, row_devices
 from ._state import TrainState
 
 PyTree = Any
@@ -90,9 +91,47 @@ def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, s
     return [t / count for t in totals], own_error
 
 
+def value_specs_in(specs: list[PartitionSpec] | None, per_replica: bool) -> list[PartitionSpec] | PartitionSpec:
+    """shard_map specs of a group's values laid out by `specs` (their specs over the inner axes;
+    None: replicated inside a replica), with the leading replica axis over `diloco` if `per_replica`."""
+    head = ("diloco",) if per_replica else ()
+    if specs is None:
+        return PartitionSpec(*head)
+    return [PartitionSpec(*head, *s) for s in specs]
+
+
+def sharded_axes(specs: list[PartitionSpec] | None) -> tuple[str, ...]:
+    """The inner mesh axes some of `specs` shard over (those a replica's shards differ along)."""
+    named = {a for s in specs or () for entry in s if entry is not None
+             for a in (entry if isinstance(entry, tuple) else (entry,))}
+    return tuple(a for a in INNER if a in named)
+
+
+def payload_parts(specs: list[PartitionSpec] | None, count: int) -> list[list[int]]:
+    """The group's values cut into payloads by the inner axes they are sharded over.
+
+    A quantized sync sends each part as one flat payload. Values laid out alike go together,
+    so a payload (and its scales) is one device's own shard of each: a value replicated
+    inside a replica (a norm scale) travels in its own payload, which every device of the
+    replica computes alike, instead of sharing quantization blocks with sharded values.
+    """
+    if specs is None:
+        return [list(range(count))]
+    parts: dict[tuple[str, ...], list[int]] = {}
+    for i, spec in enumerate(specs):
+        parts.setdefault(sharded_axes([spec]), []).append(i)
+    return list(parts.values())
+
+
+def all_rows_finite(finite: Array, axes: tuple[str, ...]) -> Array:
+    """Inside a shard_map manual over every axis: (K,) flags true only where every device of the
+    replica (each holding its own shard, differing along `axes`) found its shard finite."""
+    return jax.lax.psum((~finite).astype(jnp.int32), axes) == 0 if axes else finite
+
+
 def mean_outer_gradient(
     mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, exchange: str = "auto",
-    num_replicas: int | None = None,
+    num_replicas: int | None = None, specs: list[PartitionSpec] | None = None,
 ) -> Callable[[list, list, list | None], tuple[list, Array, list | None]]:
     """shard_map'd `(replica_values, global_values, residuals) -> (mean_delta, finite, residuals)`.
 
@@ -104,6 +143,12 @@ def mean_outer_gradient(
     leaf for format `none` without top-k, the one-shot payload all-gather at R <= 2 and the two-phase
     reduce-scatter + all-gather at R > 2; `gather` or `two_phase` force one (also for
     format `none`, which tests use). `num_replicas` defaults to the mesh's rows (K = 1).
+    `specs`: each value's PartitionSpec over the inner axes (a sharded island; None: replicated).
+
+    The body is manual over every mesh axis: each device exchanges only its own shard of
+    each value with its peers in the other replicas (the `psum` / gather runs over `diloco`),
+    so nothing is all-gathered inside a replica and a quantized payload, with its scales, is
+    per shard.
     """
     method = resolve_method(exchange, num_replicas or mesh.shape["diloco"], fmt)
 
@@ -111,15 +156,23 @@ def mean_outer_gradient(
         deltas = [g[None] - r.astype(g.dtype) for g, r in zip(global_values, replica_values)]
         if error_feedback:
             deltas = [d + e for d, e in zip(deltas, residuals)]
-        finite = row_finite(deltas)
-        means, new_residuals = replica_mean(deltas, finite, fmt=fmt, method=method, skip_nonfinite=skip_nonfinite)
+        finite = all_rows_finite(row_finite(deltas), sharded_axes(specs))
+        means, new_residuals = [None] * len(deltas), [None] * len(deltas)
+        for part in payload_parts(specs, len(deltas)):
+            part_means, part_errors = replica_mean([deltas[i] for i in part], finite, fmt=fmt, method=method,
+                                                   skip_nonfinite=skip_nonfinite)
+            for j, i in enumerate(part):
+                means[i] = part_means[j]
+                new_residuals[i] = None if part_errors is None else part_errors[j]
         return means, finite, new_residuals if error_feedback else None
 
+    replica_specs, global_specs = value_specs_in(specs, True), value_specs_in(specs, False)
+    residual_specs = replica_specs if error_feedback else PartitionSpec("diloco")
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(PartitionSpec("diloco"), PartitionSpec(), PartitionSpec("diloco")),
-        out_specs=(PartitionSpec(), PartitionSpec("diloco"), PartitionSpec("diloco")),
+        in_specs=(replica_specs, global_specs, residual_specs),
+        out_specs=(global_specs, PartitionSpec("diloco"), residual_specs),
     )
 
 
@@ -138,7 +191,7 @@ def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
     copy is local to its process (a global `device_put` across device sets is refused in multi-controller
     JAX). The device that holds replica r's data on `src` is `src.devices[r, 0]`.
     """
-    src_row = {d: r for r, d in enumerate(src.devices[:, 0])}
+    src_row = {d: r for r, d in enumerate(row_devices(src)[:, 0])}
 
     def move(x):
         spec = x.sharding.spec
@@ -200,6 +253,7 @@ class OuterSync:
     - `comm_mesh`: where overlapped syncs run (`launch`); None runs them on `mesh`.
     - `exchange`: the collective of quantized syncs: `auto`, `gather` or `two_phase`.
     - `num_replicas`: R, when the mesh's rows hold several replicas each (default: its rows).
+    - `value_specs`: per group, its values' PartitionSpecs over the inner axes (None: replicated).
 
     Two ways to sync a group: `sync` (or `sync_and_merge`) updates the state in one program
     on the compute mesh; `launch` copies the group's values to the communication mesh and
@@ -221,19 +275,21 @@ class OuterSync:
         comm_mesh: Mesh | None = None,
         exchange: str = "auto",
         num_replicas: int | None = None,
+        value_specs: tuple[list[PartitionSpec], ...] | None = None,
     ):
         self.mesh, self.groups, self.outer_opt, self.fmt, self.alpha = mesh, groups, outer_opt, fmt, alpha
         self.skip_nonfinite, self.error_feedback = skip_nonfinite, error_feedback
         self.shardings, self.comm_mesh, self.exchange = shardings, comm_mesh, exchange
         flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback, exchange=exchange,
                      num_replicas=num_replicas)
-        exchange = mean_outer_gradient(self.mesh, self.fmt, **flags)
         comm_mesh = self.comm_mesh or self.mesh
-        comm_core = self._core(mean_outer_gradient(comm_mesh, self.fmt, **flags))
         jit = lambda f: jax.jit(f, donate_argnums=0, out_shardings=(self.shardings, None))  # noqa: E731
         fns = dict(sync=[], merge=[], sync_and_merge=[], extract=[], install=[], launch=[])
         replica, replicated = PartitionSpec("diloco"), PartitionSpec()
         for i, group in enumerate(self.groups):
+            specs = None if value_specs is None else value_specs[i]
+            exchange = mean_outer_gradient(self.mesh, self.fmt, **flags, specs=specs)
+            comm_core = self._core(mean_outer_gradient(comm_mesh, self.fmt, **flags, specs=specs))
             sync = self._sync_fn(i, group, self._core(exchange))
             merge = self._merge_fn(group)
             fns["sync"].append(jit(sync))

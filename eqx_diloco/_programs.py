@@ -11,6 +11,8 @@ from ._eager import OverlappedOuter
 from ._errors import ConfigError
 from ._groups import ParamGroup, make_groups
 from ._outer import OuterSync, sync_nbytes, sync_wire_nbytes
+from ._fragments import stack_flags
+from ._sharding import resolve_specs
 from ._state import TrainState, build_state, state_shardings
 from ._step import make_inner_step
 
@@ -38,6 +40,7 @@ class Programs:
     `diloco.<field>` once a model is bound by `init`, `restore` or `abstract`)."""
 
     signature: tuple
+    leaf_specs: tuple  # per trainable leaf (flatten order), its PartitionSpec over the inner axes
     groups: tuple[ParamGroup, ...]  # fragments 0..P-1, then the router group if it has its own period
     router_group: int | None
     static: PyTree  # the model's non-trainable part
@@ -73,9 +76,22 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         outer_overlap=d.outer_overlap,
     )
     abstract_state = eqx.filter_eval_shape(lambda p: build_state(p, **build_kwargs, key=jax.random.key(0)), abstract)
-    shardings = state_shardings(abstract_state, d.mesh, per_replica_anchors=d.outer_overlap == "eager")
+    try:
+        in_stack = stack_flags(abstract, d.layers)[0] if d.layers is not None else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    leaf_specs = resolve_specs(d.param_specs, eqx.combine(abstract, static), abstract, fsdp=d.fsdp, tensor=d.tensor,
+                               in_stack=in_stack)
+    sharded = d.fsdp * d.tensor > 1
+    shardings = state_shardings(
+        abstract_state, d.mesh, per_replica_anchors=d.outer_overlap == "eager", leaf_specs=leaf_specs if sharded else None,
+        groups=groups, inner_opt=d.inner_optimizer, outer_opt=d.outer_optimizer if d.is_diloco else None,
+    )
+    # Per group, its values' specs (a fragment's slice of a leaf keeps the leaf's layout).
+    value_specs = tuple([leaf_specs[j] for j in g.leaf_indices(abstract)] for g in groups) if sharded else None
     skip = d.on_nonfinite == "skip"
-    inner_step = make_inner_step(d.mesh, d.inner_optimizer, d.loss_fn, static, ddp=not d.is_diloco, skip_nonfinite=skip)
+    inner_step = make_inner_step(d.mesh, d.inner_optimizer, d.loss_fn, static, ddp=not d.is_diloco, skip_nonfinite=skip,
+                                 shardings=shardings)
     outer = overlapped = None
     if d.outer_overlap != "none":
         overlapped = OverlappedOuter(
@@ -87,11 +103,11 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         outer = OuterSync(
             mesh=d.mesh, groups=groups, outer_opt=d.outer_optimizer, fmt=d.wire, alpha=d.alpha,
             skip_nonfinite=skip, error_feedback=d.error_feedback, shardings=shardings, comm_mesh=d.comm_mesh,
-            exchange=d.exchange, num_replicas=d.num_replicas,
+            exchange=d.exchange, num_replicas=d.num_replicas, value_specs=value_specs,
         )
     all_shapes = [x.shape for x in jax.tree.leaves(abstract)]
     return Programs(
-        signature=signature(params), groups=groups,
+        signature=signature(params), leaf_specs=leaf_specs, groups=groups,
         # With its own sync period, the router group comes after the P fragments.
         router_group=d.num_fragments if separate is not None else None,
         static=static, build_kwargs=build_kwargs, abstract_state=abstract_state, shardings=shardings,

@@ -101,20 +101,88 @@ def build_state(
     return TrainState(step, replica_params, opt_state, keys, anchors, outer_states, residuals, mail_mean, mail_own)
 
 
-def state_shardings(state: TrainState, mesh: Mesh, *, per_replica_anchors: bool = False) -> TrainState:
-    """A tree like `state` holding each leaf's NamedSharding: replica fields over `diloco`.
+def _mirror(opt: optax.GradientTransformation | None, opt_state: PyTree, values: list, shardings: PyTree,
+            fallback: NamedSharding, *, replica_axis: bool) -> PyTree:
+    """Shardings for `opt_state`, an optimizer state over values laid out by `shardings` (a tree
+    shaped like the optimizer's params, whose leaves are `values`).
 
-    `per_replica_anchors` (eager) also shards `global_params` and `outer_states` over `diloco`.
+    The parts of the state that mirror the values (moments, momenta) get their value's
+    sharding, found with `optax.tree_map_params`; for an optimizer it cannot read, a leaf
+    takes the sharding of the values of its shape when those all agree. Everything else
+    (step counts, scalars) gets `fallback`. `replica_axis`: the state's leaves carry a
+    leading replica axis that `values` lack.
     """
-    replica_fields = REPLICA_FIELDS + ("mail_own",)
-    if per_replica_anchors:
-        replica_fields += ("global_params", "outer_states")
+    try:
+        return optax.tree_map_params(
+            opt, lambda _, sharding: sharding, opt_state, shardings,
+            transform_non_params=lambda v: jax.tree.map(lambda _: fallback, v),
+        )
+    except Exception:  # an optimizer whose init does not take a placeholder tree: match by shape
+        pass
+    by_shape: dict[tuple, set] = {}
+    for v, sharding in zip(values, jax.tree.leaves(shardings)):
+        by_shape.setdefault(tuple(v.shape), set()).add(sharding)
+
+    def match(x):
+        candidates = by_shape.get(tuple(x.shape[1:] if replica_axis else x.shape), set())
+        return next(iter(candidates)) if len(candidates) == 1 else fallback
+
+    return jax.tree.map(match, opt_state)
+
+
+def state_shardings(
+    state: TrainState,
+    mesh: Mesh,
+    *,
+    per_replica_anchors: bool = False,
+    leaf_specs: tuple[PartitionSpec, ...] | None = None,
+    groups: tuple[ParamGroup, ...] = (),
+    inner_opt: optax.GradientTransformation | None = None,
+    outer_opt: optax.GradientTransformation | None = None,
+) -> TrainState:
+    """A tree like `state` holding each leaf's NamedSharding.
+
+    Replica fields are sharded over `diloco`; inside a replica, every array that mirrors a
+    parameter follows that parameter's spec in `leaf_specs` (one PartitionSpec over the inner
+    axes per trainable leaf, flatten order; None: everything replicated inside a replica).
+    `groups` and the optimizers say which parameter each outer and inner optimizer state leaf
+    mirrors. `per_replica_anchors` (eager) also shards `global_params` and `outer_states` over
+    `diloco`.
+    """
     replica = NamedSharding(mesh, PartitionSpec("diloco"))
     replicated = NamedSharding(mesh, PartitionSpec())
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-    return TrainState(
-        **{
-            name: jax.tree.map(lambda _, name=name: replica if name in replica_fields else replicated, value)
-            for name, value in fields.items()
-        }
+    anchor_axis = ("diloco",) if per_replica_anchors else ()
+    leaves = jax.tree.leaves(state.params)
+    specs = leaf_specs or (PartitionSpec(),) * len(leaves)
+
+    def sharded(spec: PartitionSpec, per_replica: bool) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec(*(("diloco",) if per_replica else ()), *spec))
+
+    on_replicas = [sharded(s, True) for s in specs]
+    on_anchors = [sharded(s, bool(anchor_axis)) for s in specs]
+    params_treedef = jax.tree.structure(state.params)
+    params = jax.tree.unflatten(params_treedef, on_replicas)
+    opt_state = jax.tree.map(lambda _: replica, state.opt_state)
+    if leaf_specs:
+        per_replica_leaves = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves]
+        opt_state = _mirror(inner_opt, state.opt_state, per_replica_leaves, params, replica, replica_axis=True)
+    out = dict(step=replicated, params=params, opt_state=opt_state, keys=replica)
+    if state.global_params is None:
+        return TrainState(**out, global_params=None, outer_states=(), residuals=None)
+    # Group i's values come from leaves `indices[i]` (a slice keeps its leaf's layout).
+    indices = [group.leaf_indices(state.params) for group in groups]
+    pick = lambda table, i: [table[j] for j in indices[i]]  # noqa: E731
+    out["global_params"] = jax.tree.unflatten(params_treedef, on_anchors)
+    anchor_fallback = replica if anchor_axis else replicated
+    out["outer_states"] = tuple(
+        _mirror(outer_opt, s, groups[i].get(state.global_params, layer_axis=1 if anchor_axis else 0),
+                pick(on_anchors, i), anchor_fallback, replica_axis=False)
+        if leaf_specs else jax.tree.map(lambda _: anchor_fallback, s)
+        for i, s in enumerate(state.outer_states)
     )
+    by_group = lambda field, table: None if field is None else tuple(pick(table, i) for i in range(len(field)))  # noqa: E731
+    on_values = [sharded(s, False) for s in specs]
+    out["residuals"] = by_group(state.residuals, on_replicas)
+    out["mail_mean"] = by_group(state.mail_mean, on_values)
+    out["mail_own"] = by_group(state.mail_own, on_replicas)
+    return TrainState(**out)

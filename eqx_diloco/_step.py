@@ -1,6 +1,9 @@
 """The inner step: every replica takes one optimizer step on its own batch.
 
-It runs under `jax.shard_map` over the whole mesh. Each `diloco` shard holds K replicas
+It runs under `jax.shard_map`, manual over `diloco` and `data` and automatic over the inner
+axes `fsdp` and `tensor`: inside a row the body is an ordinary sharded computation (XLA
+gathers a sharded weight where a matmul needs it and reduce-scatters its gradient), laid
+out by the state's shardings. Each `diloco` shard holds K replicas
 (one, unless replicas share devices), stepped together under `jax.vmap`; inside a replica,
 the loss is averaged over the `data` axis, so the gradient is the gradient of the
 replica's whole batch (the psum over `data` comes from differentiating the pmean).
@@ -43,12 +46,14 @@ def make_inner_step(
     *,
     ddp: bool,
     skip_nonfinite: bool,
+    shardings: TrainState | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, Array]]]:
     """The jitted inner step `(state, batch) -> (state, metrics)`; `state` is donated.
 
     **Arguments:**
 
-    - `mesh`: the ("diloco", "data") mesh; each `diloco` row holds R / rows replicas (vmapped).
+    - `mesh`: the ("diloco", "data", "fsdp", "tensor") mesh; each `diloco` row holds R / rows
+      replicas (vmapped).
     - `inner_opt`: the per-replica optimizer.
     - `loss_fn`: `loss_fn(model, batch, key) -> (loss, aux)` for one replica's share of
       the batch on one `data` device; `aux` is a dict of arrays (may be empty).
@@ -56,8 +61,9 @@ def make_inner_step(
     - `ddp`: average gradients over `diloco` as well (data-parallel baseline).
     - `skip_nonfinite`: a replica whose loss or gradient is not finite keeps its params
       and optimizer state for this step instead of applying garbage.
+    - `shardings`: the state's shardings; the new state is pinned to them (None: as XLA propagates).
 
-    `batch` is any pytree whose leaves have shape (R, B, ...), sharded P("diloco", "data").
+    `batch` is any pytree whose leaves have shape (R, B, ...), sharded P("diloco", ("data", "fsdp")).
     `metrics` maps `loss`, `grad_norm` and `finite` to (R,) arrays, plus `loss_fn`'s aux
     outputs (averaged over `data`) with a leading replica axis.
     """
@@ -104,6 +110,7 @@ def make_inner_step(
         mesh=mesh,
         in_specs=(replica, replica, replica, PartitionSpec("diloco", "data")),
         out_specs=replica,
+        axis_names={"diloco", "data"},
     )
 
     def step(state: TrainState, batch):
@@ -111,4 +118,4 @@ def make_inner_step(
         new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state, keys=keys)
         return new_state, metrics
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0, out_shardings=None if shardings is None else (shardings, None))
