@@ -17,6 +17,7 @@ _LAZY = {
     **dict.fromkeys(["ConfigError", "NonFiniteError"], "._errors"),
     **dict.fromkeys(["CheckpointError", "Checkpointer"], "._checkpoint"),
     "use_cpu_devices": "._mesh",
+    "fsdp_specs": "._sharding",
     "TrainState": "._state",
 }
 _SUBMODULES = ("quantize", "schedule")
@@ -39,6 +40,7 @@ __all__ = [
     "NonFiniteError",
     "TrainState",
     "default_outer_optimizer",
+    "fsdp_specs",
     "quantize",
     "schedule",
     "use_cpu_devices",

@@ -31,6 +31,7 @@ from ._persistence import Persistence
 from ._programs import FIELDS as PROGRAM_FIELDS
 from ._programs import Programs, build_programs, is_trainable, signature
 from ._results import Results
+from ._traffic import Traffic
 from ._state import TrainState, build_state
 from ._step import LossFn
 from ._sync_group import SyncGroup, make_sync_groups
@@ -57,7 +58,7 @@ def default_outer_optimizer() -> optax.GradientTransformation:
     return optax.sgd(1.0, momentum=0.3, nesterov=True)
 
 
-class DiLoCo(Results, Persistence):
+class DiLoCo(Results, Persistence, Traffic):
     """DiLoCo / Streaming DiLoCo for any Equinox model.
 
     **Arguments (all keyword-only; names match the CLI's `--diloco.*` flags):**
@@ -292,31 +293,6 @@ class DiLoCo(Results, Persistence):
     def router_due(self, t: int) -> bool:
         """Whether the router group takes its own outer step after step t."""
         return self.router_group is not None and self._sync_groups[self.router_group].syncs_after(t)
-
-    @property
-    def bits_per_parameter(self) -> float:
-        """Payload bits one replica encodes per parameter per sync (indices and scales included;
-        0 with one replica, and 32 for DDP's float32 gradient)."""
-        if not self.is_diloco:
-            return 32.0 if self.num_replicas > 1 else 0.0
-        _require(bool(self._sync_groups), "call init(model) (or restore / abstract) before bits_per_parameter")
-        return 8 * sum(g.sent_bytes for g in self._sync_groups) / sum(g.num_values for g in self._sync_groups)
-
-    def sent_bytes_at(self, t: int) -> int:
-        """Payload bytes one replica encodes for the syncs that start at step t (scales included)."""
-        if not self.is_diloco:
-            return self.ddp_step_bytes
-        return sum(g.sent_bytes for g in self._sync_groups if g.syncs_after(t))
-
-    def wire_bytes_at(self, t: int) -> int:
-        """Bytes one replica's collectives move for the syncs that start at step t.
-
-        A float32 psum counts as a ring all-reduce (2 (R - 1) / R of the buffer), a payload
-        all-gather as R - 1 payloads, the two-phase exchange as 2 (R - 1) / R of a payload.
-        """
-        if not self.is_diloco:
-            return self.ddp_step_wire_bytes
-        return sum(g.wire_bytes for g in self._sync_groups if g.syncs_after(t))
 
     # -- stepping ----------------------------------------------------------------------------
 

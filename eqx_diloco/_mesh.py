@@ -60,11 +60,13 @@ def ensure_cpu_devices(count: int) -> None:
 
 
 def too_few_devices(
-    need: int, *, process: int, have: int, platform: str, comm: bool, local_replicas: int, per_device: int = 1
+    need: int, *, process: int, have: int, platform: str, comm: bool, local_replicas: int, per_device: int = 1,
+    row: str = "data_parallel",
 ) -> ConfigError:
     """The one-line error for a process with `have` devices where the mesh needs `need`; what to do
     differs between a CPU (simulate more) and an accelerator (share the devices). `per_device`
-    is the K that did not fit: once it holds all `local_replicas`, only fewer devices per row help."""
+    is the K that did not fit: once it holds all `local_replicas`, only fewer devices per row help.
+    `row` names the devices of one row (`data_parallel x fsdp x tensor` for a sharded island)."""
     comm_part = " + 1 communication device" if comm else ""
     if platform == "cpu":
         hint = f"on CPU call eqx_diloco.use_cpu_devices({need}) before JAX starts"
@@ -73,7 +75,7 @@ def too_few_devices(
     else:
         hint = (f"lower data_parallel{', set comm_device off' if comm else ''} or raise replicas_per_device "
                 f"(a divisor of {local_replicas}) so that the replicas share the {have} {platform} devices")
-    return ConfigError(f"(num_replicas / replicas_per_device) x (data_parallel x fsdp x tensor{comm_part}) needs {need} devices per "
+    return ConfigError(f"(num_replicas / replicas_per_device) x ({row}{comm_part}) needs {need} devices per "
                        f"process, process {process} has {have} ({platform}); {hint}")
 
 
@@ -161,7 +163,8 @@ def build_meshes(
     for p, devices in enumerate(by_process):
         if len(devices) < per_process:
             raise too_few_devices(per_process, process=p, have=len(devices), platform=platform, comm=comm,
-                                  local_replicas=local_replicas, per_device=K)
+                                  local_replicas=local_replicas, per_device=K,
+                                  row="data_parallel x fsdp x tensor" if sharded else "data_parallel")
     compute_rows, comm_rows = [], []
     for devices in by_process:
         compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, data, fsdp, tensor))

@@ -30,7 +30,8 @@ from jaxtyping import Array
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
-from ._mesh import INNER, row_devices
+from ._mesh import row_devices
+from ._sharding import all_rows_finite, payload_parts, sharded_axes, value_specs_in
 from ._state import TrainState
 
 PyTree = Any
@@ -89,44 +90,6 @@ def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, s
         own_error = [piece.reshape(v.shape) for piece, v in zip(jnp.split(error, offsets, axis=1), values)]
     count = jnp.maximum(jax.lax.psum(jnp.sum(weight), "diloco"), 1.0)
     return [t / count for t in totals], own_error
-
-
-def value_specs_in(specs: list[PartitionSpec] | None, per_replica: bool) -> list[PartitionSpec] | PartitionSpec:
-    """shard_map specs of a group's values laid out by `specs` (their specs over the inner axes;
-    None: replicated inside a replica), with the leading replica axis over `diloco` if `per_replica`."""
-    head = ("diloco",) if per_replica else ()
-    if specs is None:
-        return PartitionSpec(*head)
-    return [PartitionSpec(*head, *s) for s in specs]
-
-
-def sharded_axes(specs: list[PartitionSpec] | None) -> tuple[str, ...]:
-    """The inner mesh axes some of `specs` shard over (those a replica's shards differ along)."""
-    named = {a for s in specs or () for entry in s if entry is not None
-             for a in (entry if isinstance(entry, tuple) else (entry,))}
-    return tuple(a for a in INNER if a in named)
-
-
-def payload_parts(specs: list[PartitionSpec] | None, count: int) -> list[list[int]]:
-    """The group's values cut into payloads by the inner axes they are sharded over.
-
-    A quantized sync sends each part as one flat payload. Values laid out alike go together,
-    so a payload (and its scales) is one device's own shard of each: a value replicated
-    inside a replica (a norm scale) travels in its own payload, which every device of the
-    replica computes alike, instead of sharing quantization blocks with sharded values.
-    """
-    if specs is None:
-        return [list(range(count))]
-    parts: dict[tuple[str, ...], list[int]] = {}
-    for i, spec in enumerate(specs):
-        parts.setdefault(sharded_axes([spec]), []).append(i)
-    return list(parts.values())
-
-
-def all_rows_finite(finite: Array, axes: tuple[str, ...]) -> Array:
-    """Inside a shard_map manual over every axis: (K,) flags true only where every device of the
-    replica (each holding its own shard, differing along `axes`) found its shard finite."""
-    return jax.lax.psum((~finite).astype(jnp.int32), axes) == 0 if axes else finite
 
 
 def mean_outer_gradient(

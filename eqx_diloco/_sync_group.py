@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from jaxtyping import Array
 
 from ._eager import InFlightExchange
-from ._outer import InFlightSync, sync_nbytes, sync_wire_nbytes
+from ._outer import InFlightSync, payload_parts, sync_nbytes, sync_wire_nbytes
+from ._sharding import local_shape
 from ._state import TrainState
 
 if TYPE_CHECKING:
@@ -34,7 +35,9 @@ class SyncGroup:
     - `first_sync`: the first step after which the group syncs.
     - `period`: inner steps between two of its syncs (H for a fragment, K for the routers).
     - `sent_bytes`: payload bytes one replica encodes per sync of the group (scales included).
-    - `wire_bytes`: bytes one replica's collectives move per sync of the group.
+    - `wire_bytes`: bytes one replica's collectives move per sync of the group (the sum over
+      its devices: a sharded island's devices each move their own shard).
+    - `wire_bytes_per_device`: bytes one device's collectives move per sync of the group.
     - `num_values`: parameters in the group (the denominator of bits per parameter).
     - `programs`: the `Programs` whose `outer` or `overlapped` runs its exchange.
     - `in_flight`: its launched exchange whose result is not installed yet, or None.
@@ -45,6 +48,7 @@ class SyncGroup:
     period: int
     sent_bytes: int
     wire_bytes: int
+    wire_bytes_per_device: int
     num_values: int
     programs: "Programs" = dataclasses.field(repr=False)
     in_flight: InFlightSync | InFlightExchange | None = None
@@ -94,9 +98,17 @@ def make_sync_groups(d: "DiLoCo", programs: "Programs", params: PyTree) -> tuple
     form); the router group after every K steps.
     """
     H, P = d.sync_period, d.num_fragments
+    island = d.fsdp * d.tensor  # devices that each send their own shard of the replica's values
     sync_groups = []
     for index, group in enumerate(programs.groups):
         shapes = [v.shape for v in group.get(params)]
+        specs = [programs.leaf_specs[j] for j in group.leaf_indices(params)] if island > 1 else None
+        sizes = {"fsdp": d.fsdp, "tensor": d.tensor}
+        # One device's payloads: its shard of each value, one payload per layout (see `payload_parts`).
+        parts = [[local_shape(shapes[i], specs[i], sizes) if specs else shapes[i] for i in part]
+                 for part in payload_parts(specs, len(shapes))]
+        sent = sum(sync_nbytes(part, d.wire, d.num_replicas, d.exchange) for part in parts)
+        wire = sum(sync_wire_nbytes(part, d.wire, d.num_replicas, d.exchange) for part in parts)
         if index == programs.router_group:
             first_sync, period = d.router_sync_period, d.router_sync_period
         else:
@@ -104,8 +116,8 @@ def make_sync_groups(d: "DiLoCo", programs: "Programs", params: PyTree) -> tuple
         sync_groups.append(SyncGroup(
             index=index, first_sync=first_sync, period=period,
             # One replica has no peer: its syncs stay on the device.
-            sent_bytes=sync_nbytes(shapes, d.wire, d.num_replicas, d.exchange) if d.num_replicas > 1 else 0,
-            wire_bytes=sync_wire_nbytes(shapes, d.wire, d.num_replicas, d.exchange),
+            sent_bytes=island * sent if d.num_replicas > 1 else 0,
+            wire_bytes=island * wire, wire_bytes_per_device=wire,
             num_values=sum(math.prod(s) for s in shapes),
             programs=programs,
         ))

@@ -17,6 +17,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import TransformerConfig
@@ -250,6 +251,30 @@ class Transformer(eqx.Module):
             )
 
         return jax.tree.map(mark, self, is_leaf=lambda n: hasattr(type(n), "router_fields"))
+
+    def tensor_specs(self, axis: str = "tensor") -> "Transformer":
+        """Tensor-parallel rules (Megatron's layout): a tree like the model with a PartitionSpec per array.
+
+        The attention's fused q/k/v projection and the MLP's up projection are split by output
+        columns over `axis` and their partners (the attention output, the MLP's down
+        projection) by input rows, so each device holds whole heads' worth of columns and a
+        block needs one reduction of its output. MoE experts are split over `axis` (whole
+        experts per device; `num_experts` must be divisible by the axis size). The head is
+        split over the vocabulary; the embedding table, norms and routers are replicated.
+        Dimensions left free can take FSDP on top (`eqx_diloco.fsdp_specs(..., base=...)`).
+        """
+        specs = jax.tree.map(lambda _: PartitionSpec(), self)
+        columns, rows = PartitionSpec(None, None, axis), PartitionSpec(None, axis)  # after the layer axis
+        blocks = specs.blocks
+        blocks = eqx.tree_at(lambda b: (b.attn.qkv, b.attn.out), blocks, (columns, rows))
+        if isinstance(self.blocks.ffn, MoE):
+            blocks = eqx.tree_at(lambda b: (b.ffn.up, b.ffn.down), blocks, (rows, rows))  # the expert axis
+        else:
+            blocks = eqx.tree_at(lambda b: (b.ffn.up, b.ffn.down), blocks, (columns, rows))
+        specs = eqx.tree_at(lambda m: m.blocks, specs, blocks)
+        if self.head is not None:
+            specs = eqx.tree_at(lambda m: m.head, specs, PartitionSpec(None, axis))
+        return specs
 
     def weight_decay_mask(self) -> "Transformer":
         """A tree of bools: True for matrices that weight decay should shrink, False for norms."""
