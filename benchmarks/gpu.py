@@ -1,7 +1,7 @@
 """The CLI's step on a GPU: tokens/s, MFU and peak memory for the model shapes labs train,
 beside a plain JAX loop of the same model and a PyTorch loop of the same shape, in one run.
 
-Shapes (decoder: pre-norm RMSNorm, RoPE, fused qkv, GELU MLP x4, untied head, vocab 32768,
+Shapes (decoder: pre-norm RMSNorm, RoPE, q/k/v projections, GELU MLP x4, untied head, vocab 32768,
 T = 1024):
 
     A   12 layers x 768, 12 heads, batch 16   (135M parameters)

@@ -23,7 +23,7 @@
 
         6 * N_matmul + 12 * L * T * d
 
-    N_matmul = the weights used in matrix multiplies: per layer d*3d (qkv) + d*d (out) +
+    N_matmul = the weights used in matrix multiplies: per layer 3 d*d (q, k, v) + d*d (out) +
     2*d*(mlp_ratio*d) (MLP), plus d*V for the output head (the embedding lookup, norms
     and biases do no matmul FLOPs). The second term is attention's two T x T products
     (q k^T and weights @ v, 2*T*d FLOPs each per token and layer in the forward pass),

@@ -15,13 +15,17 @@ from typing import Literal
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ._arguments import check_replicas_per_process
 from ._errors import ConfigError
 
 AXES = ("diloco", "data", "fsdp", "tensor")
 INNER = ("data", "fsdp", "tensor")  # the axes inside one row (replica)
+# Batches (R, B, ...): replica r's rows on mesh row r, its B examples split over `data`. The inner
+# step splits each data shard over `fsdp` itself (see `_step`): XLA 0.10's SPMD partitioner
+# fails a check on an input split over a manual and an automatic axis at once.
+BATCH_SPEC = PartitionSpec("diloco", "data")
 
 
 def use_cpu_devices(count: int) -> None:

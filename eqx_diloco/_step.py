@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._tree import all_finite
@@ -36,6 +36,44 @@ def _one_row(f: Callable) -> Callable:
         return jax.tree.map(lambda x: x[None], f(*jax.tree.map(lambda x: x[0], args)))
 
     return on_row
+
+
+def replica_grads_auto(loss_fn: LossFn, static: PyTree) -> Callable:
+    """One replica's loss, aux and gradient over its whole batch (no `data` collective: the batch's
+    split over `data x fsdp` is XLA's to handle)."""
+
+    def replica_grads(params, key_data, batch):
+        key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
+
+        def objective(p):
+            out = loss_fn(eqx.combine(p, static), batch, step_key)
+            return out if isinstance(out, tuple) else (out, {})
+
+        (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
+        return loss, aux, grads, jax.random.key_data(key)
+
+    return replica_grads
+
+
+def _auto_inner_step(replica_grads, replica_update, mesh: Mesh, *, ddp: bool, shardings):
+    """The inner step of sharded islands: every replica's step under `jax.vmap` (its axis laid out
+    over `diloco` by `spmd_axis_name`), all else automatic: the inner step has no collective
+    over `diloco` (but DDP's mean), so nothing is hand-written here. XLA 0.10's SPMD
+    partitioner aborts on the manual-`diloco` form once a replica's batch is split over
+    `fsdp` and its weights over `tensor`."""
+
+    def step(state: TrainState, batch):
+        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, PartitionSpec("diloco", ("data", "fsdp"))))
+        per_replica = lambda f: jax.vmap(f, spmd_axis_name="diloco")  # noqa: E731
+        loss, aux, grads, keys = per_replica(replica_grads)(state.params, state.keys, batch)
+        if ddp:
+            grads = jax.tree.map(lambda g: jnp.broadcast_to(jnp.mean(g, axis=0), g.shape), grads)
+        params, opt_state, finite = per_replica(replica_update)(state.params, state.opt_state, grads, loss)
+        metrics = {"loss": loss, "grad_norm": per_replica(optax.tree.norm)(grads), "finite": finite, **aux}
+        new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state, keys=keys)
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=0, out_shardings=None if shardings is None else (shardings, None))
 
 
 def make_inner_step(
@@ -103,6 +141,9 @@ def make_inner_step(
         grad_norm = per_replica(optax.tree.norm)(grads)
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **aux}
         return params, opt_state, key_data, metrics
+
+    if mesh.shape["fsdp"] * mesh.shape["tensor"] > 1:
+        return _auto_inner_step(replica_grads_auto(loss_fn, static), replica_update, mesh, ddp=ddp, shardings=shardings)
 
     replica = PartitionSpec("diloco")
     sharded_step = jax.shard_map(

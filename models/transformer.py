@@ -79,13 +79,17 @@ class Attention(eqx.Module):
     which applies the causal mask without building a float (T, T) mask.
     """
 
-    qkv: Float[Array, "dim three_dim"]
+    q: Float[Array, "dim dim"]
+    k: Float[Array, "dim dim"]
+    v: Float[Array, "dim dim"]
     out: Float[Array, "dim dim"]
     num_heads: int = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
-        k1, k2 = jax.random.split(key)
-        self.qkv = _normal(k1, (config.dim, 3 * config.dim), 0.02)
+        kq, kk, kv, k2 = jax.random.split(key, 4)
+        # Three projections, not one fused (dim, 3 dim) matrix: split by columns over a tensor
+        # axis, each device then holds whole heads of q, k and v alike.
+        self.q, self.k, self.v = (_normal(k, (config.dim, config.dim), 0.02) for k in (kq, kk, kv))
         # Residual-branch outputs are scaled down with depth so the stream's variance stays flat.
         self.out = _normal(k2, (config.dim, config.dim), 0.02 / math.sqrt(2 * config.num_layers))
         self.num_heads = config.num_heads
@@ -101,7 +105,7 @@ class Attention(eqx.Module):
         """`implementation`: the `jax.nn.dot_product_attention` kernel (`cudnn` needs an NVIDIA
         GPU and a bfloat16 `x`)."""
         seq, dim = x.shape
-        q, k, v = jnp.split(x @ self.qkv.astype(x.dtype), 3, axis=-1)
+        q, k, v = (x @ w.astype(x.dtype) for w in (self.q, self.k, self.v))
         q, k, v = (t.reshape(seq, self.num_heads, dim // self.num_heads) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
@@ -255,10 +259,10 @@ class Transformer(eqx.Module):
     def tensor_specs(self, axis: str = "tensor") -> "Transformer":
         """Tensor-parallel rules (Megatron's layout): a tree like the model with a PartitionSpec per array.
 
-        The attention's fused q/k/v projection and the MLP's up projection are split by output
+        The attention's q, k and v projections and the MLP's up projection are split by output
         columns over `axis` and their partners (the attention output, the MLP's down
-        projection) by input rows, so each device holds whole heads' worth of columns and a
-        block needs one reduction of its output. MoE experts are split over `axis` (whole
+        projection) by input rows, so each device holds whole heads (when `num_heads` is
+        divisible by the axis size) and a block needs one reduction of its output. MoE experts are split over `axis` (whole
         experts per device; `num_experts` must be divisible by the axis size). The head is
         split over the vocabulary; the embedding table, norms and routers are replicated.
         Dimensions left free can take FSDP on top (`eqx_diloco.fsdp_specs(..., base=...)`).
@@ -266,7 +270,8 @@ class Transformer(eqx.Module):
         specs = jax.tree.map(lambda _: PartitionSpec(), self)
         columns, rows = PartitionSpec(None, None, axis), PartitionSpec(None, axis)  # after the layer axis
         blocks = specs.blocks
-        blocks = eqx.tree_at(lambda b: (b.attn.qkv, b.attn.out), blocks, (columns, rows))
+        blocks = eqx.tree_at(lambda b: (b.attn.q, b.attn.k, b.attn.v, b.attn.out), blocks,
+                             (columns, columns, columns, rows))
         if isinstance(self.blocks.ffn, MoE):
             blocks = eqx.tree_at(lambda b: (b.ffn.up, b.ffn.down), blocks, (rows, rows))  # the expert axis
         else:

@@ -140,7 +140,8 @@ def test_model_flops_parameter_counts(tie):
     model = eqx.filter_eval_shape(Transformer, cfg, key=jax.random.key(0))
     counts = throughput.model_flops(cfg, seq_len=64)
     assert counts["n_params"] == sum(x.size for x in jax.tree.leaves(model))
-    matrices = [model.blocks.attn.qkv, model.blocks.attn.out, model.blocks.ffn.up, model.blocks.ffn.down]
+    attn = model.blocks.attn
+    matrices = [attn.q, attn.k, attn.v, attn.out, model.blocks.ffn.up, model.blocks.ffn.down]
     head = model.embed if model.head is None else model.head
     assert counts["n_matmul"] == sum(x.size for x in matrices) + head.size
     assert counts["flops_per_token"] == 6 * counts["n_matmul"] + 12 * 3 * 64 * 32

@@ -40,7 +40,7 @@ def written_out_attention(attn, x, cos, sin):
     """The attention as it was written before `jax.nn.dot_product_attention`: explicit scores,
     a boolean causal mask and a softmax (the reference)."""
     seq, dim = x.shape
-    q, k, v = jnp.split(x @ attn.qkv, 3, axis=-1)
+    q, k, v = x @ attn.q, x @ attn.k, x @ attn.v
     q, k, v = (t.reshape(seq, attn.num_heads, dim // attn.num_heads) for t in (q, k, v))
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim // attn.num_heads)

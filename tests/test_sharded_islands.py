@@ -91,9 +91,9 @@ def test_sharded_islands_train_like_replicated_ones(name):
     sharded = make_core(fsdp=2, tensor=2, **overrides)
     assert dict(sharded.mesh.shape) == {"diloco": 2, "data": 1, "fsdp": 2, "tensor": 2}
     state, got_losses = train(sharded, steps)
-    qkv = state.params.blocks.attn.qkv
-    assert qkv.sharding.spec == PartitionSpec("diloco", None, "fsdp", "tensor")
-    assert qkv.addressable_shards[0].data.shape == (1, 4, 16, 48)  # (R, L, d, 3d) / (2, 1, 2, 2)
+    q = state.params.blocks.attn.q
+    assert q.sharding.spec == PartitionSpec("diloco", None, "fsdp", "tensor")
+    assert q.addressable_shards[0].data.shape == (1, 4, 16, 16)  # (R, L, d, d) / (2, 1, 2, 2)
     assert relative(got_losses, losses) <= tolerance
     for got, expected in zip(finished_model(sharded, state), want):
         assert relative(got, expected) <= tolerance
@@ -105,9 +105,9 @@ def test_adamw_moments_follow_the_parameters():
     state = diloco.init(Transformer(CONFIG, key=jax.random.key(0)))
     spec = PartitionSpec("diloco", None, "fsdp", "tensor")
     adam = state.opt_state[0]  # adamw: (ScaleByAdamState, ...)
-    assert adam.mu.blocks.attn.qkv.sharding.spec == spec and adam.nu.blocks.attn.qkv.sharding.spec == spec
+    assert adam.mu.blocks.attn.q.sharding.spec == spec and adam.nu.blocks.attn.v.sharding.spec == spec
     assert adam.count.sharding.spec == PartitionSpec("diloco")
-    assert state.global_params.blocks.attn.qkv.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+    assert state.global_params.blocks.attn.k.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
     momentum = state.outer_states[0][0].trace  # sgd with Nesterov momentum over fragment 0's values
     layouts = {x.sharding.spec for x in jax.tree.leaves(momentum)}
     assert PartitionSpec(None, "fsdp", "tensor") in layouts
@@ -225,7 +225,7 @@ def test_a_checkpoint_restores_onto_another_island_layout(tmp_path):
     for got, want_leaf, sharding in zip(jax.tree.leaves(restored), saved, jax.tree.leaves(other.shardings)):
         np.testing.assert_array_equal(np.asarray(got), want_leaf)
         assert got.sharding == sharding
-    assert restored.params.blocks.attn.qkv.sharding.spec == PartitionSpec("diloco", None, None, "fsdp")
+    assert restored.params.blocks.attn.q.sharding.spec == PartitionSpec("diloco", None, "fsdp")
     _, losses = train(other, 6, restored, start=6)
     assert np.all(np.isfinite(losses))
     # Onto the layout it was saved from: the run goes on exactly as if never stopped.
@@ -260,7 +260,7 @@ def test_bad_param_specs_name_the_leaf():
         return lambda m: eqx.tree_at(path, jax.tree.map(lambda _: PartitionSpec(), m), spec)
 
     cases = [
-        (on(lambda m: m.blocks.attn.qkv, PartitionSpec("fsdp")), "shards the layer axis of .blocks.attn.qkv"),
+        (on(lambda m: m.blocks.attn.q, PartitionSpec("fsdp")), "shards the layer axis of .blocks.attn.q"),
         (on(lambda m: m.embed, PartitionSpec(None, None, "fsdp")), "gives .embed (shape (64, 32)) a spec of 3"),
         (on(lambda m: m.embed, PartitionSpec("fsdp")), "dimension 0 of .embed (size 64) over fsdp = 3"),
         (on(lambda m: m.embed, PartitionSpec("fsdp", "fsdp")), "uses an axis twice"),

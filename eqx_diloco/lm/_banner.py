@@ -85,7 +85,10 @@ def setup_lines(config) -> list[str]:
     kind = "mixture-of-experts" if m.kind == "moe" else "dense"
     K = config.mesh.replicas_per_device
     shared = f", {K} replicas per device (vmapped)" if K > 1 else ""
-    mesh = f"diloco={d.num_replicas} x data={config.mesh.data}{shared}"
+    inner = "".join(f" x {axis}={n}" for axis, n in (("fsdp", config.mesh.fsdp), ("tensor", config.mesh.tensor)) if n > 1)
+    island = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    sharded = f" (an island of {island} devices per replica; parameters sharded over{inner.replace(' x', '')})" if inner else ""
+    mesh = f"diloco={d.num_replicas} x data={config.mesh.data}{inner}{shared}{sharded}"
     tokens_per_step = d.num_replicas * t.batch_size * t.seq_len
     data = {"corpus": "embedded corpus (stdlib source, bytes)", "synthetic": "synthetic pattern"}.get(
         config.data.source, f"{config.data.source} {config.data.path}")
@@ -246,6 +249,10 @@ def format_summary(summary: dict[str, Any], config) -> str:
             ratio = ddp_bytes / sent if sent else math.inf
             lines.append(f"  sent         {format_bytes(sent)} per replica for synchronisation; DDP would have sent "
                          f"{format_bytes(ddp_bytes)} ({ratio:,.0f}x more)")
+            shards = config.mesh.fsdp * config.mesh.tensor
+            if shards > 1:
+                lines.append(f"               each of the {shards} devices of an island sent its own shard: about "
+                             f"{format_bytes(sent // shards)}")
             if summary.get("bits_per_parameter") is not None:
                 lines.append(f"  compression  {summary['bits_per_parameter']:.3g} bits per parameter per sync "
                              "(indices and scales included; float32: 32)")

@@ -12,6 +12,7 @@ from models import Transformer
 from models.transformer import lm_loss
 
 from .._diloco import DiLoCo
+from .._sharding import fsdp_specs
 from .._state import TrainState
 from ._devices import make_meshes
 from .config import Config, ConfigError, flag_names
@@ -45,6 +46,17 @@ def lm_objective(dropout: float):
     return loss_fn
 
 
+def transformer_specs(fsdp: int, tensor: int):
+    """The bundled Transformer's layout inside an island: its tensor-parallel rules, FSDP on the free
+    dimensions (and over `fsdp x tensor` for arrays the tensor rules leave whole)."""
+
+    def specs(model: Transformer):
+        base = model.tensor_specs() if tensor > 1 else None
+        return fsdp_specs(model, fsdp, layers=lambda m: m.blocks, base=base, tensor=tensor)
+
+    return specs
+
+
 def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
     """The core `DiLoCo` object the CLI config describes, set up for `abstract_model`'s shape."""
     d, t = config.diloco, config.train
@@ -74,6 +86,7 @@ def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
             algorithm=config.algorithm,
             mesh=mesh,
             comm_mesh=comm_mesh,
+            param_specs=transformer_specs(config.mesh.fsdp, config.mesh.tensor),
         )
         core.abstract(abstract_model)
     except ConfigError as e:

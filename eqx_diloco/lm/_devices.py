@@ -193,7 +193,8 @@ def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
     d = config.diloco
     overlapped = config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
     return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off",
-                        replicas_per_device=config.mesh.replicas_per_device or None)
+                        replicas_per_device=config.mesh.replicas_per_device or None, fsdp=config.mesh.fsdp,
+                        tensor=config.mesh.tensor)
 
 
 # A test hook, read here only: "P:T" makes the process with JAX process index P raise at step T, as a

@@ -93,7 +93,7 @@ def wants_comm_device(config: "Config") -> bool:
 
 
 def devices_needed(config: "Config") -> int:
-    """Devices per process: `--mesh.data` per row of K replicas (`--mesh.replicas-per-device`, 1 when
+    """Devices per process: `--mesh.data x --mesh.fsdp x --mesh.tensor` per row of K replicas (`--mesh.replicas-per-device`, 1 when
     automatic), plus one per row for communication. CPU runs simulate this many."""
     layout = process_layout(config)
     num_processes, process_id = layout.num_processes, layout.process_id
@@ -110,5 +110,7 @@ def devices_needed(config: "Config") -> int:
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None
     K = config.mesh.replicas_per_device or 1
-    return R // num_processes // K * (config.mesh.data + int(wants_comm_device(config)))
+    island = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    comm = int(wants_comm_device(config)) if config.mesh.fsdp * config.mesh.tensor == 1 else 0
+    return R // num_processes // K * (island + comm)
 

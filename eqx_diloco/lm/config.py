@@ -130,6 +130,10 @@ class MeshConfig:
 
     data: int = 1
     """devices per replica on the `data` mesh axis (ordinary data parallelism inside a replica). The `diloco` axis gets one device per replica."""
+    fsdp: int = 1
+    """devices per replica on the `fsdp` mesh axis: parameters, inner and outer optimizer state and error-feedback residuals are sharded over them (each array's largest dimension they divide; the layer axis never) and the batch is split over `data x fsdp`. A sync sends each device's own shard."""
+    tensor: int = 1
+    """devices per replica on the `tensor` mesh axis: the Transformer's tensor-parallel rules (attention q/k/v and MLP up projections split by columns, their output projections by rows, MoE experts, the head over the vocabulary); arrays those rules leave whole are sharded over `fsdp x tensor`."""
     replicas_per_device: int = 0
     """K: replicas that share one device (one row of `--mesh.data` devices), stepped together under `jax.vmap`; each sync sums the K local outer gradients, then exchanges over `diloco`. Must divide the replicas of each process. 0 = 1 where the process has devices enough (CPU runs make them), else the smallest K that fits: R replicas train on one GPU. Results do not depend on K; resume may change it."""
 
@@ -262,6 +266,8 @@ def validate(config: Config) -> None:
         ("--train.log-every", train.log_every),
         ("--train.eval-sequences", train.eval_sequences),
         ("--mesh.data", config.mesh.data),
+        ("--mesh.fsdp", config.mesh.fsdp),
+        ("--mesh.tensor", config.mesh.tensor),
         ("--data.max-corpus-bytes", data.max_corpus_bytes),
         ("--dist.heartbeat-timeout-s", config.dist.heartbeat_timeout_s),
         ("--elastic.min-replicas", config.elastic.min_replicas),
@@ -325,9 +331,10 @@ def validate(config: Config) -> None:
         _require(m.num_experts >= 2, f"--model.num-experts must be >= 2 (got {m.num_experts})")
         _require(m.top_k in (1, 2), f"--model.top-k must be 1 or 2 (got {m.top_k})")
         _require(m.top_k <= m.num_experts, f"--model.top-k must be <= --model.num-experts (got {m.top_k})")
+    split = config.mesh.data * config.mesh.fsdp
     _require(
-        train.batch_size % config.mesh.data == 0,
-        f"--train.batch-size must be divisible by --mesh.data (got {train.batch_size} and {config.mesh.data})",
+        train.batch_size % split == 0,
+        f"--train.batch-size must be divisible by --mesh.data x --mesh.fsdp (got {train.batch_size} and {split})",
     )
     _require(0 < data.eval_fraction < 1, f"--data.eval-fraction must be in (0, 1) (got {data.eval_fraction})")
     _require(data.split in ("contiguous", "iid"), f"--data.split must be contiguous or iid (got {data.split})")
@@ -376,6 +383,7 @@ def validate(config: Config) -> None:
             router_sync_period=d.router_sync_period, has_routers=m.kind == "moe", on_nonfinite=train.on_nonfinite,
             data_parallel=config.mesh.data, comm_device=d.comm_device, algorithm=config.algorithm,
             replicas_per_device=config.mesh.replicas_per_device or None, topk=d.topk, topk_chunk=d.topk_chunk,
+            fsdp=config.mesh.fsdp, tensor=config.mesh.tensor,
         )
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None
@@ -386,5 +394,7 @@ def validate(config: Config) -> None:
                  f"(--mesh.replicas-per-device 0 or 1, got {config.mesh.replicas_per_device})")
         _require(d.outer_overlap == "none", f"--elastic.enabled needs --diloco.outer-overlap none (got {d.outer_overlap}): "
                  "a whole-round exchange is always in flight, so there is no sync boundary to snapshot")
+        _require(config.mesh.fsdp * config.mesh.tensor == 1, "--elastic.enabled needs --mesh.fsdp 1 and --mesh.tensor 1 "
+                 f"(got {config.mesh.fsdp} and {config.mesh.tensor}): an island snapshot holds a whole replica")
         _require(config.elastic.keep_snapshots >= 2,
                  f"--elastic.keep-snapshots must be >= 2 (got {config.elastic.keep_snapshots})")

@@ -19,6 +19,7 @@ from models import Transformer
 from .._checkpoint import Checkpointer, CheckpointSaveError
 from .._elastic import REFORM_EXIT_CODE, IslandSnapshots
 from .._errors import NonFiniteError
+from .._mesh import BATCH_SPEC
 from .._replica_values import ReplicaGather, replicated_value
 from .._state import TrainState
 from .._tree import row_finite
@@ -92,7 +93,7 @@ class Trainer:
             flags = tuple(jax.tree.leaves(self.abstract_model.router_mask()))
             self.router_drift = jax.jit(lambda state: router_drift(state.params, flags))
         self.lr_schedule = inner_schedule(t)
-        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("diloco", "data"))
+        self.batch_sharding = NamedSharding(self.mesh, BATCH_SPEC)
         # Eager anchors are per replica: one flag per row, read with the metrics. all_finite over
         # them would be a collective across processes, which on a slow link waits behind the
         # exchange just launched.
