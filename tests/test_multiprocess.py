@@ -58,6 +58,23 @@ def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_
     np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
 
 
+@pytest.mark.slow  # two runs of the CLI, one of them as 2 processes
+def test_two_processes_holding_a_sharded_island_each_equal_one_process(make_config, tmp_path):
+    """Each process holds one replica sharded over its 2 devices (--mesh.fsdp 2)."""
+    flags = ["--diloco.sync-period", "2", "--train.steps", str(STEPS), "--model.num-layers", "2", "--model.dim", "32",
+             "--model.mlp-ratio", "2", "--train.lr", "0.01", "--mesh.fsdp", "2"]
+    single = make_config(diloco=dict(num_replicas=2, sync_period=2), mesh=dict(fsdp=2),
+                         train=dict(steps=STEPS, lr=0.01, batch_size=4, seq_len=16, eval_every=50, warmup_steps=20))
+    Trainer(single, verbose=False).run()
+    proc = _launch(2, tmp_path / "multi", *flags)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "fsdp=2" in out
+    multi = train_losses(tmp_path / "multi")
+    assert len(multi) == STEPS
+    np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
+
+
 def _children(pid: int) -> dict[int, int]:
     """{JAX process id: os pid} of the launcher's children."""
     found = {}
