@@ -59,6 +59,7 @@ def check_arguments(
     topk_chunk: int = 65536,
     fsdp: int = 1,
     tensor: int = 1,
+    outer_state_memory: str = "device",
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
@@ -86,6 +87,11 @@ def check_arguments(
              f"fragment_pattern must be strided, sequential or balanced (got {fragment_pattern!r})")
     _require(outer_overlap in ("none", "delayed", "eager"),
              f"outer_overlap must be none, delayed or eager (got {outer_overlap!r})")
+    _require(outer_state_memory in ("device", "host"),
+             f"outer_state_memory must be device or host (got {outer_state_memory!r})")
+    if outer_state_memory == "host":
+        _require(algorithm == "diloco", "outer_state_memory host applies to algorithm diloco only, not ddp")
+        _require(outer_overlap == "none", f"outer_state_memory host needs outer_overlap none (got {outer_overlap})")
     if fsdp * tensor > 1:
         _require(outer_overlap == "none",
                  f"outer_overlap {outer_overlap} needs fsdp = tensor = 1 (got fsdp={fsdp}, tensor={tensor}); sharded "

@@ -13,6 +13,7 @@ _GOLDEN = np.uint32(0x9E3779B1)
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
     """A position-weighted wrapping uint32 sum of the leaf's bits (order independent of sharding)."""
+    x = jax.device_put(x, jax.memory.Space.Device)  # a leaf kept in host memory (outer_state_memory="host")
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):

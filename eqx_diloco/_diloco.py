@@ -125,6 +125,10 @@ class DiLoCo(Results, Persistence, Traffic):
       replicated); the layer axis of the stack stays whole. None: the FSDP rule
       (`fsdp_specs`: each leaf's largest dimension `fsdp` divides). `tensor > 1` needs it
       (the bundled `Transformer.param_specs` gives the tensor-parallel rules).
+    - `outer_state_memory`: `device`, or `host`: theta_g and the outer optimizer state live in
+      the devices' `pinned_host` memory (JAX memory kinds) and visit device memory only
+      inside a sync or merge, saving two parameter-sized copies per device between syncs.
+      Needs `outer_overlap="none"`.
     - `mesh`, `comm_mesh`: bring your own ("diloco", "data", "fsdp", "tensor") or
       ("diloco", "data") meshes instead.
 
@@ -173,6 +177,7 @@ class DiLoCo(Results, Persistence, Traffic):
         fsdp: int = 1,
         tensor: int = 1,
         param_specs: Callable[[PyTree], PyTree] | None = None,
+        outer_state_memory: Literal["device", "host"] = "device",
     ):
         _require(callable(loss_fn), "loss_fn must be callable: loss_fn(model, batch, key) -> (loss, aux) or loss")
         _require(layers is None or callable(layers), "layers must be a selector (lambda model: model.blocks) or None")
@@ -183,7 +188,7 @@ class DiLoCo(Results, Persistence, Traffic):
             error_feedback=error_feedback, outer_overlap=outer_overlap, exchange=exchange,
             router_sync_period=router_sync_period, has_routers=routers is not None, on_nonfinite=on_nonfinite,
             data_parallel=data_parallel, comm_device=comm_device, algorithm=algorithm,
-            replicas_per_device=replicas_per_device, fsdp=fsdp, tensor=tensor,
+            replicas_per_device=replicas_per_device, fsdp=fsdp, tensor=tensor, outer_state_memory=outer_state_memory,
         )
         _require(param_specs is None or callable(param_specs),
                  "param_specs must be a callable: param_specs(abstract_model) -> tree of PartitionSpec, or None")
@@ -208,6 +213,11 @@ class DiLoCo(Results, Persistence, Traffic):
         comm_mesh = None if comm_mesh is None else as_full_mesh(comm_mesh)
         # A mesh brought by the caller says how big an island is.
         self.fsdp, self.tensor, self.param_specs = mesh.shape["fsdp"], mesh.shape["tensor"], param_specs
+        self.outer_state_memory = outer_state_memory
+        kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+        _require(outer_state_memory == "device" or "pinned_host" in kinds,
+                 f"outer_state_memory host needs the 'pinned_host' memory kind, which {mesh.devices.flat[0].platform} "
+                 f"devices do not have (they have {', '.join(sorted(kinds))})")
         _require(comm_mesh is None or self.fsdp * self.tensor == 1,
                  "comm_mesh needs fsdp = tensor = 1: a sharded island runs its syncs on its own devices")
         rows = mesh.shape["diloco"]

@@ -139,6 +139,21 @@ def mean_outer_gradient(
     )
 
 
+def on_device(tree: PyTree) -> PyTree:
+    """Inside a program: `tree`'s arrays in device memory (theta_g and the outer state may live in
+    host memory, `outer_state_memory="host"`; a no-op for arrays already on the device)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def group_on_device(tree: PyTree, group: ParamGroup) -> PyTree:
+    """`tree` with the leaves `group` reads or writes moved to device memory (slicing and
+    scattering need their operands in one memory space); the other leaves stay where they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    for i in set(group.leaf_indices(tree)):
+        leaves[i] = on_device(leaves[i])
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _then_merge(sync, merge):
     def sync_and_merge(state):
         state, finite = sync(state)
@@ -294,7 +309,9 @@ class OuterSync:
             residuals = state.residuals[i] if self.error_feedback else None
             # Fresh copies: the state is donated to the next inner step while these are in flight.
             replica_values = [jnp.copy(v) for v in group.get(state.params, layer_axis=1)]
-            return replica_values, group.get(state.global_params), state.outer_states[i], residuals
+            global_values = group.get(group_on_device(state.global_params, group))
+            outer_state = on_device(state.outer_states[i])
+            return replica_values, global_values, outer_state, residuals
 
         return extract
 
@@ -302,7 +319,8 @@ class OuterSync:
         def install(state: TrainState, global_values, outer_state, new_residuals) -> TrainState:
             outer_states = state.outer_states[:i] + (outer_state,) + state.outer_states[i + 1 :]
             state = dataclasses.replace(
-                state, global_params=group.put(state.global_params, global_values), outer_states=outer_states
+                state, global_params=group.put(group_on_device(state.global_params, group), global_values),
+                outer_states=outer_states
             )
             if self.error_feedback:
                 residuals = state.residuals[:i] + (new_residuals,) + state.residuals[i + 1 :]
@@ -326,7 +344,7 @@ class OuterSync:
 
         def merge(state: TrainState) -> TrainState:
             replica_values = group.get(state.params, layer_axis=1)
-            global_values = group.get(state.global_params)
+            global_values = group.get(group_on_device(state.global_params, group))
             if alpha == 0.0:  # plain replacement, bit-exact
                 merged = [jnp.broadcast_to(g, r.shape) for r, g in zip(replica_values, global_values)]
             else:

@@ -86,6 +86,7 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
     shardings = state_shardings(
         abstract_state, d.mesh, per_replica_anchors=d.outer_overlap == "eager", leaf_specs=leaf_specs if sharded else None,
         groups=groups, inner_opt=d.inner_optimizer, outer_opt=d.outer_optimizer if d.is_diloco else None,
+        outer_state_memory=d.outer_state_memory,
     )
     # Per group, its values' specs (a fragment's slice of a leaf keeps the leaf's layout).
     value_specs = tuple([leaf_specs[j] for j in g.leaf_indices(abstract)] for g in groups) if sharded else None

@@ -158,6 +158,9 @@ class Results:
             if self.comm_mesh is not None:
                 new_values = move_to_mesh(new_values, self.comm_mesh, self.mesh)
             global_params = self.groups[sync_group.index].put(global_params, new_values)
+        if self.outer_state_memory == "host":  # a copy in device memory, where models are computed with
+            global_params = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")),
+                                         global_params)
         return global_params
 
     def global_model(self, state: TrainState) -> PyTree:

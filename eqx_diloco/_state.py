@@ -139,6 +139,7 @@ def state_shardings(
     groups: tuple[ParamGroup, ...] = (),
     inner_opt: optax.GradientTransformation | None = None,
     outer_opt: optax.GradientTransformation | None = None,
+    outer_state_memory: str = "device",
 ) -> TrainState:
     """A tree like `state` holding each leaf's NamedSharding.
 
@@ -147,7 +148,8 @@ def state_shardings(
     axes per trainable leaf, flatten order; None: everything replicated inside a replica).
     `groups` and the optimizers say which parameter each outer and inner optimizer state leaf
     mirrors. `per_replica_anchors` (eager) also shards `global_params` and `outer_states` over
-    `diloco`.
+    `diloco`. `outer_state_memory="host"` puts `global_params` and `outer_states` in the
+    devices' `pinned_host` memory.
     """
     replica = NamedSharding(mesh, PartitionSpec("diloco"))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -180,6 +182,9 @@ def state_shardings(
         if leaf_specs else jax.tree.map(lambda _: anchor_fallback, s)
         for i, s in enumerate(state.outer_states)
     )
+    if outer_state_memory == "host":
+        to_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)  # noqa: E731
+        out["global_params"], out["outer_states"] = to_host(out["global_params"]), to_host(out["outer_states"])
     by_group = lambda field, table: None if field is None else tuple(pick(table, i) for i in range(len(field)))  # noqa: E731
     on_values = [sharded(s, False) for s in specs]
     out["residuals"] = by_group(state.residuals, on_replicas)

@@ -280,3 +280,51 @@ def test_a_model_without_tensor_rules_for_an_odd_width_stays_whole():
     assert specs.blocks.attn_norm.weight == PartitionSpec()  # (L=4, 36): 8 divides neither allowed dim
     assert specs.embed == PartitionSpec("fsdp")  # (64, 36)
     assert specs.blocks.ffn.up == PartitionSpec(None, None, "fsdp")  # (4, 36, 72)
+
+
+def device_memory_bytes(diloco: DiLoCo) -> int:
+    """Bytes of the train state in device memory (not host memory) on its busiest device."""
+    per_device: dict = {}
+    for x, sharding in zip(jax.tree.leaves(diloco.abstract_state), jax.tree.leaves(diloco.shardings)):
+        if sharding.memory_kind == "pinned_host":
+            continue
+        for device in sharding.device_set:
+            per_device[device] = per_device.get(device, 0) + int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    return max(per_device.values())
+
+
+@pytest.mark.parametrize("layout", [dict(), pytest.param(dict(fsdp=2, tensor=2), marks=pytest.mark.slow)],
+                         ids=["replicated", "fsdp2-tensor2"])
+def test_outer_state_in_host_memory_trains_the_same(layout, tmp_path):
+    overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, **layout)
+    on_device = make_core(**overrides)
+    state, losses = train(on_device, 12)
+    want = finished_model(on_device, state)
+    on_host = make_core(**overrides, outer_state_memory="host")
+    host_state, host_losses = train(on_host, 12)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state.global_params)} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state.outer_states)} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state.params)} == {"device"}
+    np.testing.assert_array_equal(host_losses, losses)
+    # theta_g and the outer momentum (two parameter-sized float32 copies) left device memory.
+    params_bytes = sum(x.size * 4 for x in jax.tree.leaves(Transformer(CONFIG, key=jax.random.key(0)))) \
+        // (layout.get("fsdp", 1) * layout.get("tensor", 1))
+    assert device_memory_bytes(on_device) - device_memory_bytes(on_host) >= 1.9 * params_bytes
+    # They survive a checkpoint in host memory.
+    checkpointer = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
+    host_state = on_host.save(checkpointer, host_state, force=True)
+    checkpointer.wait()
+    restored = make_core(**overrides, outer_state_memory="host").restore(
+        Checkpointer(tmp_path / "ckpt", every=1, keep=2), Transformer(CONFIG, key=jax.random.key(1)))
+    for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(host_state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+        assert got.sharding.memory_kind == expected.sharding.memory_kind
+    for got, expected in zip(finished_model(on_host, host_state), want):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_outer_state_memory_is_checked():
+    with pytest.raises(ConfigError, match="outer_state_memory must be device or host"):
+        make_core(outer_state_memory="disk")
+    with pytest.raises(ConfigError, match="outer_state_memory host needs outer_overlap none"):
+        make_core(outer_state_memory="host", outer_overlap="delayed")

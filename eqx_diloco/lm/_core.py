@@ -87,6 +87,7 @@ def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
             mesh=mesh,
             comm_mesh=comm_mesh,
             param_specs=transformer_specs(config.mesh.fsdp, config.mesh.tensor),
+            outer_state_memory=d.outer_state_memory if diloco else "device",
         )
         core.abstract(abstract_model)
     except ConfigError as e:

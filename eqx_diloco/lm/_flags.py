@@ -20,7 +20,7 @@ FLAGS = {
     "exchange": "--diloco.exchange", "router_sync_period": "--diloco.router-sync-period",
     "on_nonfinite": "--train.on-nonfinite", "data_parallel": "--mesh.data", "comm_device": "--diloco.comm-device",
     "algorithm": "--algorithm", "replicas_per_device": "--mesh.replicas-per-device",
-    "fsdp": "--mesh.fsdp", "tensor": "--mesh.tensor",
+    "fsdp": "--mesh.fsdp", "tensor": "--mesh.tensor", "outer_state_memory": "--diloco.outer-state-memory",
     "topk_chunk": "--diloco.topk-chunk", "topk": "--diloco.topk",
 }
 

@@ -56,6 +56,8 @@ class DiLoCoConfig:
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
     comm_device: Literal["auto", "on", "off"] = "auto"
     """with overlap (tau > 0), run each sync on a separate communication device per replica so it really overlaps compute: `auto` = on for CPU, `off` = dispatch it on the compute devices (correct everywhere)."""
+    outer_state_memory: Literal["device", "host"] = "device"
+    """where theta_g and the outer optimizer state live between syncs: `device` memory, or the devices' `host` memory (JAX's pinned_host memory kind), which frees two parameter-sized copies per device; a sync or merge brings its fragment to the device. Needs --diloco.outer-overlap none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +385,7 @@ def validate(config: Config) -> None:
             router_sync_period=d.router_sync_period, has_routers=m.kind == "moe", on_nonfinite=train.on_nonfinite,
             data_parallel=config.mesh.data, comm_device=d.comm_device, algorithm=config.algorithm,
             replicas_per_device=config.mesh.replicas_per_device or None, topk=d.topk, topk_chunk=d.topk_chunk,
-            fsdp=config.mesh.fsdp, tensor=config.mesh.tensor,
+            fsdp=config.mesh.fsdp, tensor=config.mesh.tensor, outer_state_memory=d.outer_state_memory,
         )
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None
