@@ -13,7 +13,7 @@ inputs (`.lower(...).compile()`). For each layout it reports
   (arguments, outputs, temporaries);
 - the bytes one device sends per sync, against the replicated layout's.
 
-    python -m benchmarks.memory                 # 16 simulated devices, ~10 minutes on 2 cores
+    python -m benchmarks.memory                 # 16 simulated devices, ~5 minutes on 2 cores
     python -m benchmarks.memory --quick         # the ~1B model only, fsdp 1 and 2
 
 A second part times the default model's training (the CLI's defaults otherwise) on the same 8
@@ -136,16 +136,19 @@ def measure_layouts(models: dict, layouts: list[dict], *, compile_programs: bool
     return rows
 
 
-def time_training(steps: int) -> dict:
-    """Tokens/s of the default model on 8 devices: 2 islands of data 4 against 2 islands of fsdp 4."""
+def time_training(steps: int, repeats: int) -> dict:
+    """Tokens/s of the default model on 8 devices: 2 islands of data 4 against 2 islands of fsdp 4,
+    alternating, `repeats` times each; the ratio is taken per repeat (pairs run back to back)."""
+    import statistics
+
     from benchmarks._harness.runs import read_metrics
     from eqx_diloco.lm.config import CheckpointConfig, Config, MeshConfig, TrainConfig
     from eqx_diloco.lm.trainer import Trainer
 
-    out = {}
+    out: dict = {"data4": [], "fsdp4": []}
     with tempfile.TemporaryDirectory(prefix="memory_") as tmp:
-        for name, mesh in [("data4", MeshConfig(data=4)), ("fsdp4", MeshConfig(fsdp=4))]:
-            config = Config(run_dir=pathlib.Path(tmp) / name, mesh=mesh, compile_cache=False,
+        for repeat, (name, mesh) in enumerate([("data4", MeshConfig(data=4)), ("fsdp4", MeshConfig(fsdp=4))] * repeats):
+            config = Config(run_dir=pathlib.Path(tmp) / f"{name}_{repeat}", mesh=mesh, compile_cache=False,
                             train=TrainConfig(steps=steps, eval_every=0, log_every=10),
                             checkpoint=CheckpointConfig(every=0))
             summary = Trainer(config, verbose=False).run()
@@ -154,10 +157,14 @@ def time_training(steps: int) -> dict:
             first, last = lines[0], lines[-1]
             tokens = (last["step"] - first["step"]) * config.diloco.num_replicas * config.train.batch_size \
                 * config.train.seq_len
-            out[name] = {"tokens_per_s": tokens / (last["time"] - first["time"]),
-                         "eval_loss": float(summary["eval_loss"])}
-            print(f"{name}: {out[name]['tokens_per_s']:,.0f} tokens/s over {steps} steps", flush=True)
-    out["fsdp4_vs_data4"] = out["fsdp4"]["tokens_per_s"] / out["data4"]["tokens_per_s"]
+            out[name].append({"tokens_per_s": tokens / (last["time"] - first["time"]),
+                              "eval_loss": float(summary["eval_loss"])})
+            print(f"{name}: {out[name][-1]['tokens_per_s']:,.0f} tokens/s over {steps} steps", flush=True)
+    ratios = [f["tokens_per_s"] / d["tokens_per_s"] for d, f in zip(out["data4"], out["fsdp4"])]
+    out["fsdp4_vs_data4"] = {"mean": statistics.fmean(ratios), "sd": statistics.stdev(ratios) if repeats > 1 else 0.0,
+                             "n": repeats, "each": ratios}
+    for name in ("data4", "fsdp4"):
+        out[f"{name}_tokens_per_s"] = statistics.fmean(r["tokens_per_s"] for r in out[name])
     return out
 
 
@@ -188,9 +195,10 @@ def markdown(result: dict) -> str:
     ]
     if "training" in result:
         t = result["training"]
-        lines += ["", f"Training speed of the default model on 8 CPU devices, {t['steps']} steps: islands of fsdp 4 ran "
-                  f"at {t['fsdp4_vs_data4']:.2f}x the tokens/s of islands of data 4 "
-                  f"({t['fsdp4']['tokens_per_s']:,.0f} vs {t['data4']['tokens_per_s']:,.0f}). Simulated CPU devices "
+        ratio = t["fsdp4_vs_data4"]
+        lines += ["", f"Training speed of the default model on 8 CPU devices, {t['steps']} steps, {ratio['n']} alternating "
+                  f"pairs: islands of fsdp 4 ran at {ratio['mean']:.2f} +- {ratio['sd']:.2f}x the tokens/s of islands of "
+                  f"data 4 (means {t['fsdp4_tokens_per_s']:,.0f} vs {t['data4_tokens_per_s']:,.0f}). Simulated CPU devices "
                   "share two cores and memory: sharding only adds gathers here; it pays where a replica does not "
                   "fit one device."]
     return "\n".join(lines) + "\n"
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the ~1B model only, fsdp 1 and 2, no compiles")
     parser.add_argument("--train-steps", type=int, default=60, help="steps of the timed training (0: skip)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating pairs of timed trainings")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS_DIR / "memory.json")
     args = parser.parse_args(argv)
     setup_jax(DEVICES)
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         "layouts": measure_layouts(models, layouts, compile_programs=not args.quick),
     }
     if args.train_steps:
-        result["training"] = {"steps": args.train_steps, **time_training(args.train_steps)}
+        result["training"] = {"steps": args.train_steps, **time_training(args.train_steps, args.repeats)}
     write_json(args.out, result)
     args.out.with_suffix(".md").write_text(markdown(result))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")

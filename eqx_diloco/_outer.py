@@ -276,12 +276,10 @@ class OuterSync:
             fns["extract"].append(jax.jit(self._extract_fn(i, group)))
             fns["install"].append(jax.jit(self._install_fn(i, group), donate_argnums=0, out_shardings=self.shardings))
             on_comm = lambda spec: NamedSharding(comm_mesh, spec)  # noqa: E731
-            fns["launch"].append(
-                jax.jit(
-                    comm_core,
-                    out_shardings=(on_comm(replicated), on_comm(replicated), on_comm(replica), on_comm(replica)),
-                )
-            )
+            # On the compute mesh (no communication devices: always so for sharded islands) the
+            # results keep the layout of the exchange's outputs; nothing is gathered in an island.
+            on_comm_mesh = (on_comm(replicated), on_comm(replicated), on_comm(replica), on_comm(replica))
+            fns["launch"].append(jax.jit(comm_core, out_shardings=on_comm_mesh if self.comm_mesh is not None else None))
         self._fns = {k: tuple(v) for k, v in fns.items()}
 
     def _core(self, exchange):

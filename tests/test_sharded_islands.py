@@ -328,3 +328,17 @@ def test_outer_state_memory_is_checked():
         make_core(outer_state_memory="disk")
     with pytest.raises(ConfigError, match="outer_state_memory host needs outer_overlap none"):
         make_core(outer_state_memory="host", outer_overlap="delayed")
+
+
+def test_an_outer_sync_gathers_nothing_inside_an_island():
+    """The sync's only collectives are the reductions over `diloco` (and the island's finite flags)."""
+    diloco = make_core(fsdp=2, tensor=2, num_fragments=3, sync_period=6, overlap_steps=1)
+    state = diloco.init(Transformer(CONFIG, key=jax.random.key(0)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    programs = {"launch": diloco.outer._fns["launch"][1].lower(*diloco.outer._fns["extract"][1](state)),
+                "merge": diloco.outer._fns["merge"][1].lower(abstract),
+                "sync_and_merge": diloco.outer._fns["sync_and_merge"][2].lower(abstract)}
+    for name, lowered in programs.items():
+        text = lowered.compile().as_text()
+        assert "all-gather" not in text and "all-to-all" not in text, name
+        assert name == "merge" or "all-reduce" in text, name
