@@ -87,15 +87,14 @@ def check_arguments(
              f"fragment_pattern must be strided, sequential or balanced (got {fragment_pattern!r})")
     _require(outer_overlap in ("none", "delayed", "eager"),
              f"outer_overlap must be none, delayed or eager (got {outer_overlap!r})")
+    _require(fsdp * tensor == 1 or replicas_per_device in (None, 1),
+             f"replicas_per_device must be 1 with fsdp or tensor > 1 (got {replicas_per_device}): an island spans "
+             f"devices, replicas do not share them")
     _require(outer_state_memory in ("device", "host"),
              f"outer_state_memory must be device or host (got {outer_state_memory!r})")
     if outer_state_memory == "host":
         _require(algorithm == "diloco", "outer_state_memory host applies to algorithm diloco only, not ddp")
         _require(outer_overlap == "none", f"outer_state_memory host needs outer_overlap none (got {outer_overlap})")
-    if fsdp * tensor > 1:
-        _require(outer_overlap == "none",
-                 f"outer_overlap {outer_overlap} needs fsdp = tensor = 1 (got fsdp={fsdp}, tensor={tensor}); sharded "
-                 f"islands sync blocking or with overlap_steps")
     if algorithm == "ddp":
         for name, off in [("num_fragments", num_fragments == 1), ("overlap_steps", overlap_steps == 0),
                           ("alpha", alpha == 0), ("quantize", quantize == "none"), ("error_feedback", not error_feedback),

@@ -62,6 +62,7 @@ from ._exchange import resolve_method, sent_values
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
 from ._outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
+from ._sharding import all_rows_finite, payload_parts, sharded_axes, value_specs_in
 from ._state import TrainState
 
 PyTree = Any
@@ -94,24 +95,30 @@ class OverlappedOuter:
     - `skip_nonfinite`, `error_feedback`: as for the blocking sync.
     - `shardings`: the state's shardings.
     - `num_replicas`: R, when the mesh's rows hold several replicas each (default: its rows).
+    - `value_specs`: per group, its values' PartitionSpecs over the inner axes (a sharded
+      island: each device exchanges, and rounds, its own shard; None: replicated).
     """
 
     def __init__(self, *, mesh: Mesh, comm_mesh: Mesh | None, groups: tuple[ParamGroup, ...],
                  outer_opt: optax.GradientTransformation, mode: str, fmt: str, exchange: str,
-                 skip_nonfinite: bool, error_feedback: bool, shardings: TrainState, num_replicas: int | None = None):
+                 skip_nonfinite: bool, error_feedback: bool, shardings: TrainState, num_replicas: int | None = None,
+                 value_specs: tuple[list[PartitionSpec], ...] | None = None):
         self.mesh, self.comm_mesh, self.groups, self.outer_opt = mesh, comm_mesh, groups, outer_opt
         self.mode, self.fmt, self.error_feedback, self.skip_nonfinite = mode, fmt, error_feedback, skip_nonfinite
         self.num_replicas = num_replicas or mesh.shape["diloco"]
         exchange_mesh = comm_mesh or mesh
         self.method = resolve_method(exchange, self.num_replicas, fmt)
+        self.value_specs = value_specs or (None,) * len(groups)
         on = lambda spec: NamedSharding(exchange_mesh, spec)  # noqa: E731
-        self._exchange = jax.jit(
-            self._exchange_fn(exchange_mesh),
-            out_shardings=(on(PartitionSpec()), on(PartitionSpec("diloco")), on(PartitionSpec("diloco"))),
-        )
-        per_replica = NamedSharding(mesh, PartitionSpec("diloco"))
-        self._outer = [jax.jit(self._outer_fn(i), donate_argnums=0, out_shardings=(shardings, per_replica))
-                       for i in range(len(groups))]
+        # On the compute mesh of a sharded island the results keep the exchange's own layout.
+        placed = (on(PartitionSpec()), on(PartitionSpec("diloco")), on(PartitionSpec("diloco"))) \
+            if value_specs is None else None
+        self._exchange = [jax.jit(self._exchange_fn(exchange_mesh, specs), out_shardings=placed)
+                          for specs in self.value_specs]
+        per_replica = lambda specs: NamedSharding(mesh, PartitionSpec("diloco")) if specs is None else [  # noqa: E731
+            NamedSharding(mesh, spec) for spec in value_specs_in(specs, True)]
+        self._outer = [jax.jit(self._outer_fn(i), donate_argnums=0, out_shardings=(shardings, per_replica(specs)))
+                       for i, specs in enumerate(self.value_specs)]
         self._install = [jax.jit(self._install_fn(i), donate_argnums=0, out_shardings=shardings)
                          for i in range(len(groups))]
         self._drain = [jax.jit(self._drain_fn(i), donate_argnums=0, out_shardings=shardings)
@@ -119,17 +126,24 @@ class OverlappedOuter:
 
     # -- the exchange (runs in the background) --------------------------------------------------
 
-    def _exchange_fn(self, mesh: Mesh):
+    def _exchange_fn(self, mesh: Mesh, specs: list[PartitionSpec] | None):
         fmt, method, skip = self.fmt, self.method, self.skip_nonfinite
 
-        def body(sent):  # each leaf: (K, ...), this row's K replicas
-            finite = row_finite(sent)
-            means, own_error = replica_mean(sent, finite, fmt=fmt, method=method, skip_nonfinite=skip)
-            if own_error is None:  # a float32 psum loses nothing
-                own_error = [jnp.zeros_like(x) for x in sent]
+        def body(sent):  # each leaf: (K, ...), this row's K replicas (this device's shard of them)
+            finite = all_rows_finite(row_finite(sent), sharded_axes(specs))
+            means, own_error = [None] * len(sent), [None] * len(sent)
+            for part in payload_parts(specs, len(sent)):  # one payload per layout (see `payload_parts`)
+                part_means, part_errors = replica_mean([sent[i] for i in part], finite, fmt=fmt, method=method,
+                                                       skip_nonfinite=skip)
+                for j, i in enumerate(part):
+                    means[i] = part_means[j]
+                    # a float32 psum loses nothing
+                    own_error[i] = jnp.zeros_like(sent[i]) if part_errors is None else part_errors[j]
             return means, finite, own_error
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("diloco"),), out_specs=(PartitionSpec(), PartitionSpec("diloco"), PartitionSpec("diloco")))
+        replica_specs = value_specs_in(specs, True)
+        return jax.shard_map(body, mesh=mesh, in_specs=(replica_specs,),
+                             out_specs=(value_specs_in(specs, False), PartitionSpec("diloco"), replica_specs))
 
     # -- the outer step at a sync of group i ----------------------------------------------------
 
@@ -141,6 +155,23 @@ class OverlappedOuter:
         # Exactly the sender's rounding of the exchange (per chunk for two-phase: with top-k the
         # selection is per chunk too).
         return unflatten_like(sent_values(flat, self.fmt, self.num_replicas, self.method), x)
+
+    def _wire_values(self, sent: list, specs: list[PartitionSpec] | None) -> list:
+        """`_wire_value` of every replica's `sent` (leading replica axis). In a sharded island each
+        device rounds its own shard, payload by payload, as the exchange does."""
+        if specs is None or as_codec(self.fmt).lossless:
+            return jax.vmap(self._wire_value)(sent)
+
+        def body(local):  # this device's shard of its replicas' values
+            out = [None] * len(local)
+            for part in payload_parts(specs, len(local)):
+                rounded = jax.vmap(self._wire_value)([local[i] for i in part])
+                for j, i in enumerate(part):
+                    out[i] = rounded[j]
+            return out
+
+        replica_specs = value_specs_in(specs, True)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(replica_specs,), out_specs=replica_specs)(sent)
 
     def _outer_fn(self, i: int):
         group, opt, R, eager = self.groups[i], self.outer_opt, self.num_replicas, self.mode == "eager"
@@ -174,7 +205,7 @@ class OverlappedOuter:
                 outer_states=_replace(state.outer_states, i, outer_state),
             )
             if eager:
-                own = jax.vmap(self._wire_value)(sent)
+                own = self._wire_values(sent, self.value_specs[i])
                 state = dataclasses.replace(state, mail_own=_replace(state.mail_own, i, own))
             # Fresh copies: the state is donated to the next inner step while these are in flight.
             return state, [jnp.copy(x) for x in sent]
@@ -231,7 +262,7 @@ class OverlappedOuter:
         state, sent = self._outer[group](state)
         if self.comm_mesh is not None:
             sent = move_to_mesh(sent, self.mesh, self.comm_mesh)
-        outputs = self._exchange(sent)
+        outputs = self._exchange[group](sent)
         mean, _, own_error = outputs
         compile_install_ahead(self._install[group], state, (mean, own_error), self.mesh)
         return state, InFlightExchange(group, outputs)

@@ -98,7 +98,7 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         overlapped = OverlappedOuter(
             mesh=d.mesh, comm_mesh=d.comm_mesh, groups=groups, outer_opt=d.outer_optimizer, mode=d.outer_overlap,
             fmt=d.wire, exchange=d.exchange, skip_nonfinite=skip, error_feedback=d.error_feedback,
-            shardings=shardings, num_replicas=d.num_replicas,
+            shardings=shardings, num_replicas=d.num_replicas, value_specs=value_specs,
         )
     elif d.is_diloco:
         outer = OuterSync(

@@ -12,7 +12,11 @@ covers Adam's state.
 """
 
 import dataclasses
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -28,6 +32,7 @@ from eqx_diloco._outer import mean_outer_gradient
 from models import TransformerConfig
 from models.transformer import Transformer, lm_loss
 
+REPO = Path(__file__).resolve().parents[1]
 R, SEQ, BATCH = 2, 16, 8
 CONFIG = TransformerConfig(num_layers=4, dim=32, num_heads=4, mlp_ratio=2, vocab_size=64, dtype="float32")
 
@@ -77,6 +82,8 @@ CASES = {
     "diloco": (dict(), 1e-5),
     "streaming-p3-tau1": (dict(num_fragments=3, sync_period=6, overlap_steps=1, alpha=0.5), 1e-5),
     "ddp": (dict(algorithm="ddp"), 1e-5),
+    "eager": (dict(outer_overlap="eager"), 1e-5),
+    "delayed": (dict(outer_overlap="delayed"), 1e-5),
 }
 
 
@@ -175,13 +182,18 @@ def test_quantized_sync_sends_each_devices_own_shard():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt,tolerance", [("int4", 1e-2), pytest.param("bf16", 1e-3, marks=pytest.mark.slow)])
-def test_quantized_sharded_islands_train_close_to_replicated(fmt, tolerance):
+@pytest.mark.parametrize("fmt,tolerance,more", [
+    ("int4", 1e-2, {}),
+    pytest.param("bf16", 1e-3, {}, marks=pytest.mark.slow),
+    pytest.param("int4", 1e-2, dict(exchange="two_phase"), marks=pytest.mark.slow),
+    pytest.param("int8", 1e-2, dict(outer_overlap="eager"), marks=pytest.mark.slow),
+], ids=["int4", "bf16", "int4-two-phase", "int8-eager"])
+def test_quantized_sharded_islands_train_close_to_replicated(fmt, tolerance, more):
     """int4's scales are per block of a device's shard, so its rounding differs from the
     replicated run's (`test_quantized_sync_sends_each_devices_own_shard` checks it exactly);
     bf16 rounds value by value, but a last-bit difference in an outer gradient can still move
     its rounding by one bf16 step."""
-    overrides = dict(quantize=fmt, error_feedback=True)
+    overrides = dict(quantize=fmt, error_feedback=True, **more)
     replicated = make_core(**overrides)
     state, losses = train(replicated, 12)
     want = finished_model(replicated, state)
@@ -239,8 +251,6 @@ def test_a_checkpoint_restores_onto_another_island_layout(tmp_path):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(fsdp=0), "fsdp must be an int >= 1"),
     (dict(tensor=2, param_specs=None), "tensor=2 needs param_specs="),
-    (dict(fsdp=2, outer_overlap="eager", quantize="int8", error_feedback=True),
-     "outer_overlap eager needs fsdp = tensor = 1"),
     (dict(fsdp=2, comm_device="on", overlap_steps=1, num_fragments=2), "comm_device on needs fsdp = tensor = 1"),
     (dict(fsdp=2, replicas_per_device=2), "replicas_per_device must be 1 with fsdp or tensor > 1"),
     (dict(fsdp=8), "needs 16 devices per process"),
@@ -342,3 +352,37 @@ def test_an_outer_sync_gathers_nothing_inside_an_island():
         text = lowered.compile().as_text()
         assert "all-gather" not in text and "all-to-all" not in text, name
         assert name == "merge" or "all-reduce" in text, name
+
+
+@pytest.mark.slow  # an MoE model trained twice
+def test_moe_experts_split_over_tensor_train_like_replicated():
+    config = dataclasses.replace(CONFIG, kind="moe", num_experts=4, top_k=2)
+
+    def run(**layout):
+        diloco = make_core(routers=lambda m: m.router_mask(), router_sync_period=2, **layout)
+        state = diloco.init(Transformer(config, key=jax.random.key(0)))
+        losses = []
+        for t in range(12):
+            state, metrics = diloco.step(state, batch(t))
+            losses.append(np.asarray(metrics["loss"]))
+        return diloco, state, np.stack(losses)
+
+    _, state, losses = run()
+    _, sharded_state, sharded_losses = run(fsdp=2, tensor=2)
+    up = sharded_state.params.blocks.ffn.up  # (R, L, experts, dim, hidden)
+    assert tuple(up.sharding.spec)[:3] == ("diloco", None, "tensor")
+    assert relative(sharded_losses, losses) <= 1e-5
+
+
+@pytest.mark.slow  # a process with 16 simulated devices compiles a 1.3B model's programs
+def test_a_billion_parameter_island_compiles_on_abstract_inputs(tmp_path):
+    out = tmp_path / "memory.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--quick", "--compile", "--train-steps", "0",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["layouts"]
+    assert [r["fsdp"] for r in rows] == [1, 8]
+    replicated, sharded = rows
+    assert sharded["state_bytes_per_device"] <= 1.1 * replicated["state_bytes_per_device"] / 8
+    assert sharded["compiled"]["inner_step"]["argument_bytes"] <= 1.1 * replicated["compiled"]["inner_step"]["argument_bytes"] / 8
+    assert sharded["wire_bytes_per_device"] <= 1.01 * replicated["wire_bytes_per_device"] / 8
