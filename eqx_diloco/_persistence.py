@@ -86,6 +86,8 @@ class Persistence:
         Call it at a sync boundary (`settled`); blocks until `state` is computed. Write the
         result with `IslandSnapshots.write`.
         """
+        _require(self.fsdp * self.tensor == 1, "elastic islands need fsdp = tensor = 1 (an island snapshot holds a "
+                 f"whole replica; got fsdp={self.fsdp}, tensor={self.tensor})")
         _require(self.settled, "island_snapshot needs a sync boundary: no sync may be in flight")
         return island_payload(state, step=self._current_step(state), replica=self.own_replica(), island=island)
 
@@ -98,6 +100,8 @@ class Persistence:
         fresh PRNG stream. Needs `init`, `abstract` or `restore` first (for the shapes).
         """
         _require(self._programs is not None, "call abstract(model) (or init / restore) before reform")
+        _require(self.fsdp * self.tensor == 1, "elastic islands need fsdp = tensor = 1 (an island snapshot holds a "
+                 f"whole replica; got fsdp={self.fsdp}, tensor={self.tensor})")
         step, source = agree_on_step(snapshots)
         if step is None:
             return None

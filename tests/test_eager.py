@@ -169,7 +169,7 @@ def test_compile_checks_of_the_overlapped_programs():
     for g in range(3):
         new_state, sent = jax.eval_shape(diloco.overlapped._outer[g], state)
         assert jax.tree.structure(new_state) == jax.tree.structure(state)
-        mean, finite, own_error = jax.eval_shape(diloco.overlapped._exchange, sent)
+        mean, finite, own_error = jax.eval_shape(diloco.overlapped._exchange[g], sent)
         assert finite.shape == (2,) and [m.shape for m in mean] == [s.shape[1:] for s in sent]
         installed = jax.eval_shape(diloco.overlapped._install[g], state, mean, own_error)
         assert jax.tree.structure(installed) == jax.tree.structure(state)

@@ -87,8 +87,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    "diloco", *(pytest.param(n, marks=pytest.mark.slow) for n in CASES if n != "diloco")])
+@pytest.mark.slow  # the fast tier trains the small model of `test_fsdp_alone_trains_like_replicated`
+@pytest.mark.parametrize("name", list(CASES))
 def test_sharded_islands_train_like_replicated_ones(name):
     overrides, tolerance = CASES[name]
     steps = 3 * overrides.get("sync_period", 4)  # three rounds
@@ -105,6 +105,29 @@ def test_sharded_islands_train_like_replicated_ones(name):
     for got, expected in zip(finished_model(sharded, state), want):
         assert relative(got, expected) <= tolerance
     assert losses[-1].mean() < losses[0].mean()
+
+
+def test_fsdp_alone_trains_like_replicated():
+    """The default FSDP rule on a model not from models/: R = 2 islands of fsdp 4, three rounds."""
+    from custom_model import StackedMLP, make_batch
+    from custom_model import loss_fn as mse
+
+    def run(fsdp):
+        diloco = DiLoCo(loss_fn=mse, layers=lambda m: m.blocks, num_replicas=R, sync_period=2, fsdp=fsdp,
+                        inner_optimizer=optax.sgd(0.05, momentum=0.9), comm_device="off")
+        state = diloco.init(StackedMLP(key=jax.random.key(0)))
+        losses = []
+        for t in range(6):
+            state, metrics = diloco.step(state, make_batch(t, R))
+            losses.append(np.asarray(metrics["loss"]))
+        return np.stack(losses), finished_model(diloco, state), state
+
+    losses, want, _ = run(1)
+    got_losses, got, state = run(4)
+    blocks = jax.tree.leaves(state.params.blocks)
+    assert any("fsdp" in tuple(x.sharding.spec) for x in blocks)
+    assert relative(got_losses, losses) <= 1e-5
+    assert max(relative(g, w) for g, w in zip(got, want)) <= 1e-5
 
 
 def test_adamw_moments_follow_the_parameters():
@@ -183,7 +206,7 @@ def test_quantized_sync_sends_each_devices_own_shard():
 
 
 @pytest.mark.parametrize("fmt,tolerance,more", [
-    ("int4", 1e-2, {}),
+    pytest.param("int4", 1e-2, {}, marks=pytest.mark.slow),
     pytest.param("bf16", 1e-3, {}, marks=pytest.mark.slow),
     pytest.param("int4", 1e-2, dict(exchange="two_phase"), marks=pytest.mark.slow),
     pytest.param("int8", 1e-2, dict(outer_overlap="eager"), marks=pytest.mark.slow),
@@ -303,8 +326,8 @@ def device_memory_bytes(diloco: DiLoCo) -> int:
     return max(per_device.values())
 
 
-@pytest.mark.parametrize("layout", [dict(), pytest.param(dict(fsdp=2, tensor=2), marks=pytest.mark.slow)],
-                         ids=["replicated", "fsdp2-tensor2"])
+@pytest.mark.slow  # four trainings
+@pytest.mark.parametrize("layout", [dict(), dict(fsdp=2, tensor=2)], ids=["replicated", "fsdp2-tensor2"])
 def test_outer_state_in_host_memory_trains_the_same(layout, tmp_path):
     overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, **layout)
     on_device = make_core(**overrides)
@@ -386,3 +409,14 @@ def test_a_billion_parameter_island_compiles_on_abstract_inputs(tmp_path):
     assert sharded["state_bytes_per_device"] <= 1.1 * replicated["state_bytes_per_device"] / 8
     assert sharded["compiled"]["inner_step"]["argument_bytes"] <= 1.1 * replicated["compiled"]["inner_step"]["argument_bytes"] / 8
     assert sharded["wire_bytes_per_device"] <= 1.01 * replicated["wire_bytes_per_device"] / 8
+
+
+def test_elastic_islands_are_refused_for_sharded_islands(tmp_path):
+    from eqx_diloco import IslandSnapshots
+
+    diloco = make_core(fsdp=2)
+    state = diloco.init(Transformer(CONFIG, key=jax.random.key(0)))
+    with pytest.raises(ConfigError, match="elastic islands need fsdp = tensor = 1"):
+        diloco.island_snapshot(state, island=0)
+    with pytest.raises(ConfigError, match="elastic islands need fsdp = tensor = 1"):
+        diloco.reform(IslandSnapshots(tmp_path), island=0, key=jax.random.key(0))

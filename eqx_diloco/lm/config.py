@@ -334,10 +334,8 @@ def validate(config: Config) -> None:
         _require(m.top_k in (1, 2), f"--model.top-k must be 1 or 2 (got {m.top_k})")
         _require(m.top_k <= m.num_experts, f"--model.top-k must be <= --model.num-experts (got {m.top_k})")
     split = config.mesh.data * config.mesh.fsdp
-    _require(
-        train.batch_size % split == 0,
-        f"--train.batch-size must be divisible by --mesh.data x --mesh.fsdp (got {train.batch_size} and {split})",
-    )
+    _require(train.batch_size % split == 0,
+             f"--train.batch-size must be divisible by --mesh.data x --mesh.fsdp (got {train.batch_size} and {split})")
     _require(0 < data.eval_fraction < 1, f"--data.eval-fraction must be in (0, 1) (got {data.eval_fraction})")
     _require(data.split in ("contiguous", "iid"), f"--data.split must be contiguous or iid (got {data.split})")
     if data.source in ("text", "tokens"):
