@@ -130,6 +130,7 @@ def test_fsdp_alone_trains_like_replicated():
     assert max(relative(g, w) for g, w in zip(got, want)) <= 1e-5
 
 
+@pytest.mark.slow  # compiles; the fast tier keeps test_fsdp_alone_trains_like_replicated
 def test_adamw_moments_follow_the_parameters():
     diloco = make_core(fsdp=2, tensor=2, quantize="int4", error_feedback=True, inner_optimizer=optax.adamw(3e-3))
     state = diloco.init(Transformer(CONFIG, key=jax.random.key(0)))
@@ -165,6 +166,7 @@ def test_state_bytes_per_device_shrink_with_fsdp():
         assert state_bytes_per_device(core) <= 1.1 * whole / fsdp, fsdp
 
 
+@pytest.mark.slow  # compiles; the fast tier keeps test_fsdp_alone_trains_like_replicated
 def test_quantized_sync_sends_each_devices_own_shard():
     """The int4 exchange of a sharded island equals a reference that quantizes each device's shard."""
     sharded = make_core(fsdp=2, tensor=2)
@@ -306,6 +308,7 @@ def test_bad_param_specs_name_the_leaf():
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # compiles; the fast tier keeps test_fsdp_alone_trains_like_replicated
 def test_a_model_without_tensor_rules_for_an_odd_width_stays_whole():
     """The FSDP rule skips what it cannot split and never the layer axis."""
     model = Transformer(dataclasses.replace(CONFIG, dim=36, num_heads=4), key=jax.random.key(0))
@@ -363,6 +366,7 @@ def test_outer_state_memory_is_checked():
         make_core(outer_state_memory="host", outer_overlap="delayed")
 
 
+@pytest.mark.slow  # compiles; the fast tier keeps test_fsdp_alone_trains_like_replicated
 def test_an_outer_sync_gathers_nothing_inside_an_island():
     """The sync's only collectives are the reductions over `diloco` (and the island's finite flags)."""
     diloco = make_core(fsdp=2, tensor=2, num_fragments=3, sync_period=6, overlap_steps=1)
