@@ -24,7 +24,6 @@ fast links or memory limit for sharding to pay off, so the ratio says what shard
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import tempfile
 import time
@@ -185,22 +184,23 @@ def markdown(result: dict) -> str:
     lines = [
         "# Sharded islands: memory per device",
         "",
-        f"{result['what']}. Revision {result['revision']}, {result['devices']} simulated CPU devices; "
-        f"batch {BATCH} x {SEQ} tokens per replica, remat block. The compiled figures are XLA's "
-        "`memory_analysis()` of programs compiled on abstract inputs: compiler figures, not a measured run. "
-        "With the outer state on host, the train state column counts device memory only (theta_g and the outer "
-        "momentum are in pinned host memory); on CPU, XLA counts host-memory arguments as arguments all the same.",
+        (f"{result['what']}. Revision {result['revision']}, {result['devices']} simulated CPU devices; "
+         f"batch {BATCH} x {SEQ} tokens per replica, remat block. The compiled figures are XLA's "
+         "`memory_analysis()` of programs compiled on abstract inputs: compiler figures, not a measured run. "
+         "With the outer state on host, the train state column counts device memory only (theta_g and the outer "
+         "momentum are in pinned host memory); on CPU, XLA counts host-memory arguments as arguments all the same."),
         "",
         table,
     ]
     if "training" in result:
         t = result["training"]
         ratio = t["fsdp4_vs_data4"]
-        lines += ["", f"Training speed of the default model on 8 CPU devices, {t['steps']} steps, {ratio['n']} alternating "
-                  f"pairs: islands of fsdp 4 ran at {ratio['mean']:.2f} +- {ratio['sd']:.2f}x the tokens/s of islands of "
-                  f"data 4 (means {t['fsdp4_tokens_per_s']:,.0f} vs {t['data4_tokens_per_s']:,.0f}). Simulated CPU devices "
-                  "share two cores and one memory, so this says little about accelerators: there, sharding pays by "
-                  "fitting a replica that does not fit one device, and costs the gathers over the island's links."]
+        lines += ["", (f"Training speed of the default model on 8 CPU devices, {t['steps']} steps, {ratio['n']} alternating "
+                       f"pairs: islands of fsdp 4 ran at {ratio['mean']:.2f} +- {ratio['sd']:.2f}x the tokens/s of islands "
+                       f"of data 4 (means {t['fsdp4_tokens_per_s']:,.0f} vs {t['data4_tokens_per_s']:,.0f}). Simulated CPU "
+                       "devices share two cores and one memory, so this says little about accelerators: there, sharding "
+                       "pays by fitting a replica that does not fit one device, and costs the gathers over the island's "
+                       "links.")]
     return "\n".join(lines) + "\n"
 
 

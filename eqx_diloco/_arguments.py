@@ -125,8 +125,9 @@ def check_arguments(
                  f"router_sync_period must divide sync_period (got K={router_sync_period}, H={H})")
 
 
-def check_batch(batch: PyTree, num_replicas: int) -> None:
-    """Every leaf of `batch` needs the leading replica axis of size R and a batch axis after it."""
+def check_batch(batch: PyTree, num_replicas: int, split: int = 1) -> None:
+    """Every leaf of `batch` needs the leading replica axis of size R and a batch axis after it,
+    divisible by `split` (the devices a replica's batch is split over: data x fsdp)."""
     import jax  # noqa: PLC0415  (see the note on imports above)
 
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
@@ -135,4 +136,9 @@ def check_batch(batch: PyTree, num_replicas: int) -> None:
             raise ConfigError(
                 f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has shape {tuple(shape)}: every leaf needs a "
                 f"leading replica axis of size num_replicas={num_replicas}, then the replica's batch axis"
+            )
+        if shape[1] % split:
+            raise ConfigError(
+                f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has {shape[1]} examples per replica: the batch "
+                f"axis must be divisible by data_parallel x fsdp = {split}"
             )

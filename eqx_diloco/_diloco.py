@@ -65,7 +65,9 @@ class DiLoCo(Results, Persistence, Traffic):
 
     - `loss_fn`: `loss_fn(model, batch, key) -> (loss, aux)` or `-> loss`: a scalar loss of
       one replica's batch (its share on one `data` device) and optionally a dict of arrays to
-      report. `key` is a fresh PRNG key per replica, step and `data` device.
+      report. `key` is a fresh PRNG key per replica, step and `data` device. (In a sharded
+      island, `fsdp` or `tensor` > 1, it sees the replica's whole batch and one key per
+      replica and step: XLA splits the work.)
     - `layers`: a selector returning the model's stacked layer module(s), as for
       `eqx.tree_at` (`lambda m: m.blocks`, or a tuple of nodes with one common leading
       layer axis); None for a model without a layer stack (then only `num_fragments=1`).
@@ -375,7 +377,7 @@ class DiLoCo(Results, Persistence, Traffic):
         would have made theta_g non-finite. Such an outer step is never applied.
         `ConfigError` if a batch leaf lacks the leading replica axis of size R.
         """
-        check_batch(batch, self.num_replicas)
+        check_batch(batch, self.num_replicas, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         t = self._current_step(state) + 1
         state, metrics = self.inner_step(state, batch)
         if self._unchecked:

@@ -22,9 +22,8 @@ from ._errors import ConfigError
 
 AXES = ("diloco", "data", "fsdp", "tensor")
 INNER = ("data", "fsdp", "tensor")  # the axes inside one row (replica)
-# Batches (R, B, ...): replica r's rows on mesh row r, its B examples split over `data`. The inner
-# step splits each data shard over `fsdp` itself (see `_step`): XLA 0.10's SPMD partitioner
-# fails a check on an input split over a manual and an automatic axis at once.
+# Batches (R, B, ...) as placed: replica r's rows on mesh row r, its B examples split over `data`
+# (the inner step of a sharded island splits them further over `fsdp`, see `_step`).
 BATCH_SPEC = PartitionSpec("diloco", "data")
 
 

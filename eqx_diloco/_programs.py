@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from ._eager import OverlappedOuter
 from ._errors import ConfigError
+from ._fragments import stack_flags
 from ._groups import ParamGroup, make_groups
 from ._outer import OuterSync, sync_nbytes, sync_wire_nbytes
-from ._fragments import stack_flags
 from ._sharding import resolve_specs
 from ._state import TrainState, build_state, state_shardings
 from ._step import make_inner_step

@@ -1,6 +1,5 @@
 """The train state and where each of its arrays lives on the mesh."""
 
-import dataclasses
 from typing import Any
 
 import equinox as eqx

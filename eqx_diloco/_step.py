@@ -1,13 +1,17 @@
 """The inner step: every replica takes one optimizer step on its own batch.
 
-It runs under `jax.shard_map`, manual over `diloco` and `data` and automatic over the inner
-axes `fsdp` and `tensor`: inside a row the body is an ordinary sharded computation (XLA
-gathers a sharded weight where a matmul needs it and reduce-scatters its gradient), laid
-out by the state's shardings. Each `diloco` shard holds K replicas
+For islands of one device per `data` shard it runs under `jax.shard_map` over the whole
+mesh. Each `diloco` shard holds K replicas
 (one, unless replicas share devices), stepped together under `jax.vmap`; inside a replica,
 the loss is averaged over the `data` axis, so the gradient is the gradient of the
 replica's whole batch (the psum over `data` comes from differentiating the pmean).
 For `ddp` the gradients are averaged over all replicas too, which keeps them equal.
+
+Sharded islands (`fsdp` or `tensor` > 1) take `_auto_inner_step`: the replicas under
+`jax.vmap` with their axis laid out over `diloco`, and every other axis automatic, so inside
+a replica the step is an ordinary sharded computation (XLA gathers a sharded weight where a
+matmul needs it and reduce-scatters its gradient), laid out by the state's shardings. There
+`loss_fn` sees the replica's whole batch and one key per replica and step.
 """
 
 import dataclasses
@@ -101,7 +105,8 @@ def make_inner_step(
       and optimizer state for this step instead of applying garbage.
     - `shardings`: the state's shardings; the new state is pinned to them (None: as XLA propagates).
 
-    `batch` is any pytree whose leaves have shape (R, B, ...), sharded P("diloco", ("data", "fsdp")).
+    `batch` is any pytree whose leaves have shape (R, B, ...), placed P("diloco", "data"); a sharded
+    island splits each replica's B over `data x fsdp`.
     `metrics` maps `loss`, `grad_norm` and `finite` to (R,) arrays, plus `loss_fn`'s aux
     outputs (averaged over `data`) with a leading replica axis.
     """
@@ -151,7 +156,6 @@ def make_inner_step(
         mesh=mesh,
         in_specs=(replica, replica, replica, PartitionSpec("diloco", "data")),
         out_specs=replica,
-        axis_names={"diloco", "data"},
     )
 
     def step(state: TrainState, batch):

@@ -394,7 +394,7 @@ def test_moe_experts_split_over_tensor_train_like_replicated():
             losses.append(np.asarray(metrics["loss"]))
         return diloco, state, np.stack(losses)
 
-    _, state, losses = run()
+    _, _, losses = run()
     _, sharded_state, sharded_losses = run(fsdp=2, tensor=2)
     up = sharded_state.params.blocks.ffn.up  # (R, L, experts, dim, hidden)
     assert tuple(up.sharding.spec)[:3] == ("diloco", None, "tensor")
@@ -424,3 +424,11 @@ def test_elastic_islands_are_refused_for_sharded_islands(tmp_path):
         diloco.island_snapshot(state, island=0)
     with pytest.raises(ConfigError, match="elastic islands need fsdp = tensor = 1"):
         diloco.reform(IslandSnapshots(tmp_path), island=0, key=jax.random.key(0))
+
+
+def test_a_batch_the_island_cannot_split_is_refused():
+    diloco = make_core(fsdp=4)
+    state = diloco.init(Transformer(CONFIG, key=jax.random.key(0)))
+    with pytest.raises(ConfigError, match=r"batch axis must be divisible by data_parallel x fsdp = 4") as error:
+        diloco.step(state, batch(0)[:, :6])
+    assert "\n" not in str(error.value)

@@ -93,8 +93,9 @@ def wants_comm_device(config: "Config") -> bool:
 
 
 def devices_needed(config: "Config") -> int:
-    """Devices per process: `--mesh.data x --mesh.fsdp x --mesh.tensor` per row of K replicas (`--mesh.replicas-per-device`, 1 when
-    automatic), plus one per row for communication. CPU runs simulate this many."""
+    """Devices per process: `--mesh.data x --mesh.fsdp x --mesh.tensor` per row of K replicas
+    (`--mesh.replicas-per-device`, 1 when automatic), plus one per row for communication (not for
+    sharded islands). CPU runs simulate this many."""
     layout = process_layout(config)
     num_processes, process_id = layout.num_processes, layout.process_id
     R = config.diloco.num_replicas
