@@ -81,11 +81,17 @@ def test_the_cache_line_says_other_cpu_processes_compile_every_run(monkeypatch):
                    "on CPU the other processes compile every run)"]
 
 
-def test_cli_prints_the_banner_first(tmp_path, capsys):
+def test_cli_prints_the_banner_first_and_writes_its_phases(tmp_path, capsys):
     assert train_main([*TINY, "--train.steps", "2", "--checkpoint.every", "0", "--run-dir", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("eqx_diloco: DiLoCo, R=2 replicas, H=2")
     assert any(line.startswith("  compilation  cached in ") for line in out[:10])
+    # Where the time went (this test's process started long before: only the order is checked).
+    marks = json.loads((tmp_path / "r" / "phases" / "process-0.json").read_text())["marks"]
+    names = [m["phase"] for m in marks]
+    assert names[0] == "python and the flag parser imported" and names[-1] == "checkpoint written, logs closed"
+    assert "first sync dispatched" in names and "first step compiled and dispatched" in names
+    assert [m["s"] for m in marks] == sorted(m["s"] for m in marks)
 
 
 def test_help_usage_names_the_module(capsys):
@@ -195,3 +201,35 @@ def test_startup_benchmark_quick(tmp_path):
     assert 0 < run["banner_cold_s"] < run["cold_s"] and 0 < run["warm_s"][0]
     assert run["speedup"] == pytest.approx(run["cold_s"] / run["warm_median_s"], abs=0.01)
     assert "| cold: s to step 1 |" in (tmp_path / "startup.md").read_text()
+
+
+def test_each_phase_is_timed_from_process_start_and_written_per_process(tmp_path):
+    from eqx_diloco.lm._phases import Phases
+
+    phases = Phases()
+    assert phases.since_process_start  # Linux: /proc gives the process's start
+    phases.mark("a")
+    phases.mark("b")
+    phases.mark("a")  # the first end counts
+    names = [name for name, _ in phases.marks]
+    assert names == ["a", "b"] and 0 < phases.marks[0][1] <= phases.marks[1][1]
+    phases.write(tmp_path, process=1)
+    record = json.loads((tmp_path / "phases" / "process-1.json").read_text())
+    assert [m["phase"] for m in record["marks"]] == ["a", "b"]
+
+
+def test_the_breakdown_table_gives_each_phases_own_length():
+    from benchmarks.startup_breakdown import markdown, own_lengths, summarize
+
+    def run(wall, *ends):
+        marks = [{"phase": name, "s": s} for name, s in zip(["imports", "compile", "done"], ends)]
+        return {"wall_s": wall, "phases": {"process-0": marks}}
+
+    assert own_lengths(run(5, 1.0, 3.5, 4.0)["phases"]["process-0"]) == {"imports": 1.0, "compile": 2.5, "done": 0.5}
+    warm = summarize([run(5.0, 1.0, 3.0, 4.0), run(7.0, 1.0, 5.0, 6.0)])
+    assert warm["wall_s"] == 6.0 and warm["phases"]["process-0"] == {"imports": 1.0, "compile": 3.0, "done": 1.0,
+                                                                      "exit": 1.0}
+    result = {"what": "w", "revision": "r", "steps": 4, "repeats": 2, "load_average": [0.1],
+              "layouts": {"1 process": {"cold": summarize([run(9.0, 2.0, 7.0, 8.0)]), "warm": warm}}}
+    text = markdown(result)
+    assert "| compile | 5.00 | 3.00 |" in text and "| **whole run, start to exit** | **9.00** | **6.00** |" in text

@@ -17,6 +17,7 @@ import traceback
 import tyro
 
 from ._layout import check_dist, devices_needed, process_layout
+from ._phases import PHASES, mark
 from ._preflight import RunDirLock, check_memory, check_run_dir_free, check_writable
 from ._processes import record_failure
 from .config import Config, ConfigError, validate
@@ -67,6 +68,8 @@ class _Process:
 
 
 def main(argv: list[str] | None = None) -> int:
+    PHASES.clear()
+    mark("python and the flag parser imported")
     config = tyro.cli(Config, args=argv, prog="python -m eqx_diloco.train")
     process = _Process()
     try:
@@ -106,12 +109,14 @@ def _main(config: Config, process: _Process) -> int:
             from ._banner import runtime_lines, setup_lines
 
             print("\n".join(setup_lines(config)), flush=True)
+        mark("flags checked, set-up printed")
         from ._cache import enable_compilation_cache
         from ._devices import setup_devices
 
         setup_devices(config)
         process.joined = process.num_processes > 1
         enable_compilation_cache(config)  # before the first compile
+        mark("JAX imported, processes joined, devices set up")
         if process.process_id == 0:
             print("\n".join(runtime_lines(config)), flush=True)
         from .metrics import LogWriteError
@@ -124,9 +129,13 @@ def _main(config: Config, process: _Process) -> int:
         logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
         sys.unraisablehook = _quiet_closed_event_loops()
         trainer = None
+        mark("trainer imported (equinox, optax, orbax)")
         try:
             trainer = Trainer(config)
+            mark("data loaded, mesh and programs planned")
             trainer.run()
+            mark("checkpoint written, logs closed")
+            PHASES.write(config.run_dir, process.process_id)
         except NonFiniteError as e:
             # Every process reads the same exchanged values and stops at the same step: they all leave
             # together, through JAX's shutdown as usual.

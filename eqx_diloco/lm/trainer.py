@@ -25,6 +25,7 @@ from .._state import TrainState
 from .._tree import row_finite
 from ._banner import finished_message, format_summary
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, place
+from ._phases import mark
 from ._devices import fail_for_test
 from ._finite import FiniteChecks, all_finite
 from ._hooks import Hook
@@ -67,16 +68,9 @@ class Trainer:
             raise ConfigError(f"--elastic.enabled needs one replica per process: run {d.num_replicas} processes "
                               f"for --diloco.num-replicas {d.num_replicas} (got {jax.process_count()})")
         self.batches = TokenBatches(
-            tokens,
-            num_replicas=d.num_replicas,
-            batch_size=t.batch_size,
-            seq_len=t.seq_len,
-            eval_fraction=config.data.eval_fraction,
-            seed=t.seed,
-            split=config.data.split,
-            islands=self.islands,
-            num_islands=num_islands,
-        )
+            tokens, num_replicas=d.num_replicas, batch_size=t.batch_size, seq_len=t.seq_len,
+            eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split, islands=self.islands,
+            num_islands=num_islands)
         self.abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
         self.core = make_diloco(config, self.abstract_model)
         core = self.core
@@ -194,6 +188,7 @@ class Trainer:
         self._start_time = time.perf_counter()
         self.superseded: list[int] = []
         state, start = self.initial_state()
+        mark("state built or restored")
         self._show = show = self.verbose and self.is_main
         if start >= t_cfg.steps:
             if show:
@@ -244,6 +239,7 @@ class Trainer:
         self._eval_loss: float | None = None
         compile_start = time.perf_counter()
         state = self._compile(state, start)
+        mark("first evaluation")
         report.restart_clock()
         pending = None  # step t's device-side values, published after step t+1 is dispatched
         for step in range(start, T):
@@ -254,6 +250,9 @@ class Trainer:
             fail_for_test(t)  # tests only: $EQX_DILOCO_TEST_FAIL_AT_STEP (see _devices.py)
             if step == start:  # the step programs (and those of the syncs due now) compiled in that call
                 report.note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
+                mark("first step compiled and dispatched")
+            if metrics["synced_fragment"] is not None:
+                mark("first sync dispatched")
             boundary = self.elastic and self.core.settled and (
                 metrics["synced_fragment"] is not None or metrics["applied_fragment"] is not None)
             values = self._step_values(state, t, metrics, traffic)
@@ -278,9 +277,12 @@ class Trainer:
                     stop = True
                     due = [h for h in hooks if h.due(t, final=final, stop=stop)]
             if final:
+                mark("last step dispatched")
                 state = self._finish(state, t, traffic)
             for hook in due:
                 state = hook.fn(state, t)
+            if final:
+                mark("final sync, evaluation, checkpoint queued")
             if stop:
                 self._stop(state, t)
         if pending is not None:
