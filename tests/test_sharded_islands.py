@@ -1,22 +1,11 @@
-"""Sharded islands: a replica spread over `fsdp x tensor` devices trains exactly as a replicated one.
-
-Every equivalence test runs the same training twice on simulated CPU devices: R = 2 replicas
-each on one device, and R = 2 replicas each sharded over fsdp 2 x tensor 2 (8 devices), and
-compares the replicas' losses and the final global model.
-
-The inner optimizer is SGD with momentum: a sharded matmul sums in another order, and Adam
-turns a last-bit difference in a near-zero gradient into an lr-sized step (with AdamW the
-losses still agree to 2e-7 but single parameters differ by up to 5e-5 of the largest after
-12 steps; with SGD everything agrees to 3e-7). `test_adamw_moments_follow_the_parameters`
-covers Adam's state.
-"""
+"""Sharded islands: layouts, bytes, the per-shard exchange and bad input (the trainings that compare
+sharded with replicated islands are in `tests/test_sharded_training.py`)."""
 
 import dataclasses
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -25,109 +14,12 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from sharded_util import CONFIG, REPO, R, batch, make_core
 
-from eqx_diloco import Checkpointer, ConfigError, DiLoCo, fsdp_specs
+from eqx_diloco import ConfigError, DiLoCo, fsdp_specs
 from eqx_diloco import quantize as q
 from eqx_diloco._outer import mean_outer_gradient
-from models import TransformerConfig
-from models.transformer import Transformer, lm_loss
-
-REPO = Path(__file__).resolve().parents[1]
-R, SEQ, BATCH = 2, 16, 8
-CONFIG = TransformerConfig(num_layers=4, dim=32, num_heads=4, mlp_ratio=2, vocab_size=64, dtype="float32")
-
-
-def loss_fn(model, tokens, key):
-    return lm_loss(model, tokens)
-
-
-def tensor_rules(fsdp: int):
-    """The bundled Transformer's tensor rules with FSDP on the free dimensions."""
-    return lambda m: fsdp_specs(m, fsdp, layers=lambda m: m.blocks, base=m.tensor_specs(), tensor=2)
-
-
-def make_core(fsdp: int = 1, tensor: int = 1, **overrides) -> DiLoCo:
-    kwargs = dict(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=R, sync_period=4,
-                  inner_optimizer=optax.sgd(0.1, momentum=0.9), comm_device="off", fsdp=fsdp, tensor=tensor)
-    if tensor > 1:
-        kwargs["param_specs"] = tensor_rules(fsdp)
-    return DiLoCo(**{**kwargs, **overrides})
-
-
-def batch(t: int):
-    """Counting sequences from random starts: learnable, so the loss falls within a few steps."""
-    starts = jax.random.randint(jax.random.fold_in(jax.random.key(7), t), (R, BATCH, 1), 0, CONFIG.vocab_size)
-    return (starts + jnp.arange(SEQ + 1)[None, None, :]) % CONFIG.vocab_size
-
-
-def train(diloco: DiLoCo, steps: int, state=None, start: int = 0):
-    state = diloco.init(Transformer(CONFIG, key=jax.random.key(0))) if state is None else state
-    losses = []
-    for t in range(start, start + steps):
-        state, metrics = diloco.step(state, batch(t))
-        losses.append(np.asarray(metrics["loss"]))
-    return state, np.stack(losses)
-
-
-def relative(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def finished_model(diloco, state):
-    return [np.asarray(x) for x in jax.tree.leaves(diloco.global_model(diloco.finish(state)))]
-
-
-CASES = {
-    "diloco": (dict(), 1e-5),
-    "streaming-p3-tau1": (dict(num_fragments=3, sync_period=6, overlap_steps=1, alpha=0.5), 1e-5),
-    "ddp": (dict(algorithm="ddp"), 1e-5),
-    "eager": (dict(outer_overlap="eager"), 1e-5),
-    "delayed": (dict(outer_overlap="delayed"), 1e-5),
-}
-
-
-@pytest.mark.slow  # the fast tier trains the small model of `test_fsdp_alone_trains_like_replicated`
-@pytest.mark.parametrize("name", list(CASES))
-def test_sharded_islands_train_like_replicated_ones(name):
-    overrides, tolerance = CASES[name]
-    steps = 3 * overrides.get("sync_period", 4)  # three rounds
-    replicated = make_core(**overrides)
-    state, losses = train(replicated, steps)
-    want = finished_model(replicated, state)
-    sharded = make_core(fsdp=2, tensor=2, **overrides)
-    assert dict(sharded.mesh.shape) == {"diloco": 2, "data": 1, "fsdp": 2, "tensor": 2}
-    state, got_losses = train(sharded, steps)
-    q = state.params.blocks.attn.q
-    assert q.sharding.spec == PartitionSpec("diloco", None, "fsdp", "tensor")
-    assert q.addressable_shards[0].data.shape == (1, 4, 16, 16)  # (R, L, d, d) / (2, 1, 2, 2)
-    assert relative(got_losses, losses) <= tolerance
-    for got, expected in zip(finished_model(sharded, state), want):
-        assert relative(got, expected) <= tolerance
-    assert losses[-1].mean() < losses[0].mean()
-
-
-def test_fsdp_alone_trains_like_replicated():
-    """The default FSDP rule on a model not from models/: R = 2 islands of fsdp 4, three rounds."""
-    from custom_model import StackedMLP, make_batch
-    from custom_model import loss_fn as mse
-
-    def run(fsdp):
-        diloco = DiLoCo(loss_fn=mse, layers=lambda m: m.blocks, num_replicas=R, sync_period=2, fsdp=fsdp,
-                        inner_optimizer=optax.sgd(0.05, momentum=0.9), comm_device="off")
-        state = diloco.init(StackedMLP(key=jax.random.key(0)))
-        losses = []
-        for t in range(6):
-            state, metrics = diloco.step(state, make_batch(t, R))
-            losses.append(np.asarray(metrics["loss"]))
-        return np.stack(losses), finished_model(diloco, state), state
-
-    losses, want, _ = run(1)
-    got_losses, got, state = run(4)
-    blocks = jax.tree.leaves(state.params.blocks)
-    assert any("fsdp" in tuple(x.sharding.spec) for x in blocks)
-    assert relative(got_losses, losses) <= 1e-5
-    assert max(relative(g, w) for g, w in zip(got, want)) <= 1e-5
+from models.transformer import Transformer
 
 
 @pytest.mark.slow  # compiles; the fast tier keeps test_fsdp_alone_trains_like_replicated
@@ -207,29 +99,6 @@ def test_quantized_sync_sends_each_devices_own_shard():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt,tolerance,more", [
-    pytest.param("int4", 1e-2, {}, marks=pytest.mark.slow),
-    pytest.param("bf16", 1e-3, {}, marks=pytest.mark.slow),
-    pytest.param("int4", 1e-2, dict(exchange="two_phase"), marks=pytest.mark.slow),
-    pytest.param("int8", 1e-2, dict(outer_overlap="eager"), marks=pytest.mark.slow),
-], ids=["int4", "bf16", "int4-two-phase", "int8-eager"])
-def test_quantized_sharded_islands_train_close_to_replicated(fmt, tolerance, more):
-    """int4's scales are per block of a device's shard, so its rounding differs from the
-    replicated run's (`test_quantized_sync_sends_each_devices_own_shard` checks it exactly);
-    bf16 rounds value by value, but a last-bit difference in an outer gradient can still move
-    its rounding by one bf16 step."""
-    overrides = dict(quantize=fmt, error_feedback=True, **more)
-    replicated = make_core(**overrides)
-    state, losses = train(replicated, 12)
-    want = finished_model(replicated, state)
-    sharded = make_core(fsdp=2, tensor=2, **overrides)
-    sharded_state, sharded_losses = train(sharded, 12)
-    assert relative(sharded_losses, losses) <= tolerance
-    if fmt == "bf16":  # int4's other rounding moves parameters by up to a quantization step (~1e-1 here)
-        assert max(relative(g, w) for g, w in zip(finished_model(sharded, sharded_state), want)) <= tolerance
-    assert np.all(np.isfinite(sharded_losses)) and sharded_losses[-1].mean() < sharded_losses[0].mean()
-
-
 def test_wire_bytes_per_device_are_a_shard_of_the_replicas():
     # A few million parameters (shapes only): each payload's last block is padded, which
     # weighs on a tiny model's shards.
@@ -242,35 +111,6 @@ def test_wire_bytes_per_device_are_a_shard_of_the_replicas():
     assert sharded.wire_bytes_per_device_at(4) <= 1.01 * base.wire_bytes_at(4) / 4
     assert base.wire_bytes_per_device_at(4) == base.wire_bytes_at(4)
     assert sharded.wire_bytes_at(4) == 4 * sharded.wire_bytes_per_device_at(4)
-
-
-@pytest.mark.slow  # two trainings and two restores
-def test_a_checkpoint_restores_onto_another_island_layout(tmp_path):
-    overrides = dict(quantize="int8", error_feedback=True)
-    reference = make_core(fsdp=2, tensor=2, **overrides)
-    state, _ = train(reference, 12)
-    want = finished_model(reference, state)
-    first = make_core(fsdp=2, tensor=2, **overrides)
-    state, _ = train(first, 6)
-    checkpointer = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
-    state = first.save(checkpointer, state, force=True)
-    checkpointer.wait()
-    saved = [np.asarray(x) for x in jax.tree.leaves(state)]
-    # Onto fsdp 4: every array (residuals and optimizer moments included) arrives resharded, intact.
-    other = make_core(fsdp=4, **overrides)
-    restored = other.restore(Checkpointer(tmp_path / "ckpt", every=1, keep=2), Transformer(CONFIG, key=jax.random.key(1)))
-    for got, want_leaf, sharding in zip(jax.tree.leaves(restored), saved, jax.tree.leaves(other.shardings)):
-        np.testing.assert_array_equal(np.asarray(got), want_leaf)
-        assert got.sharding == sharding
-    assert restored.params.blocks.attn.q.sharding.spec == PartitionSpec("diloco", None, "fsdp")
-    _, losses = train(other, 6, restored, start=6)
-    assert np.all(np.isfinite(losses))
-    # Onto the layout it was saved from: the run goes on exactly as if never stopped.
-    again = make_core(fsdp=2, tensor=2, **overrides)
-    state = again.restore(Checkpointer(tmp_path / "ckpt", every=1, keep=2), Transformer(CONFIG, key=jax.random.key(1)))
-    state, _ = train(again, 6, state, start=6)
-    for got, expected in zip(finished_model(again, state), want):
-        np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -329,34 +169,16 @@ def device_memory_bytes(diloco: DiLoCo) -> int:
     return max(per_device.values())
 
 
-@pytest.mark.slow  # four trainings
-@pytest.mark.parametrize("layout", [dict(), dict(fsdp=2, tensor=2)], ids=["replicated", "fsdp2-tensor2"])
-def test_outer_state_in_host_memory_trains_the_same(layout, tmp_path):
-    overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, **layout)
-    on_device = make_core(**overrides)
-    state, losses = train(on_device, 12)
-    want = finished_model(on_device, state)
-    on_host = make_core(**overrides, outer_state_memory="host")
-    host_state, host_losses = train(on_host, 12)
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state.global_params)} == {"pinned_host"}
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state.outer_states)} == {"pinned_host"}
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state.params)} == {"device"}
-    np.testing.assert_array_equal(host_losses, losses)
-    # theta_g and the outer momentum (two parameter-sized float32 copies) left device memory.
-    params_bytes = sum(x.size * 4 for x in jax.tree.leaves(Transformer(CONFIG, key=jax.random.key(0)))) \
-        // (layout.get("fsdp", 1) * layout.get("tensor", 1))
+def test_outer_state_in_host_memory_leaves_device_memory():
+    model = Transformer(CONFIG, key=jax.random.key(0))
+    params_bytes = sum(x.size * 4 for x in jax.tree.leaves(model)) // 4  # a shard of fsdp 2 x tensor 2
+    on_device, on_host = make_core(fsdp=2, tensor=2), make_core(fsdp=2, tensor=2, outer_state_memory="host")
+    on_device.abstract(model)
+    on_host.abstract(model)
+    # theta_g and the outer momentum: two parameter-sized float32 copies (less what stays replicated)
     assert device_memory_bytes(on_device) - device_memory_bytes(on_host) >= 1.9 * params_bytes
-    # They survive a checkpoint in host memory.
-    checkpointer = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
-    host_state = on_host.save(checkpointer, host_state, force=True)
-    checkpointer.wait()
-    restored = make_core(**overrides, outer_state_memory="host").restore(
-        Checkpointer(tmp_path / "ckpt", every=1, keep=2), Transformer(CONFIG, key=jax.random.key(1)))
-    for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(host_state)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-        assert got.sharding.memory_kind == expected.sharding.memory_kind
-    for got, expected in zip(finished_model(on_host, host_state), want):
-        np.testing.assert_array_equal(got, expected)
+    kinds = {s.memory_kind for s in jax.tree.leaves((on_host.shardings.global_params, on_host.shardings.outer_states))}
+    assert kinds == {"pinned_host"}
 
 
 def test_outer_state_memory_is_checked():
@@ -379,26 +201,6 @@ def test_an_outer_sync_gathers_nothing_inside_an_island():
         text = lowered.compile().as_text()
         assert "all-gather" not in text and "all-to-all" not in text, name
         assert name == "merge" or "all-reduce" in text, name
-
-
-@pytest.mark.slow  # an MoE model trained twice
-def test_moe_experts_split_over_tensor_train_like_replicated():
-    config = dataclasses.replace(CONFIG, kind="moe", num_experts=4, top_k=2)
-
-    def run(**layout):
-        diloco = make_core(routers=lambda m: m.router_mask(), router_sync_period=2, **layout)
-        state = diloco.init(Transformer(config, key=jax.random.key(0)))
-        losses = []
-        for t in range(12):
-            state, metrics = diloco.step(state, batch(t))
-            losses.append(np.asarray(metrics["loss"]))
-        return diloco, state, np.stack(losses)
-
-    _, _, losses = run()
-    _, sharded_state, sharded_losses = run(fsdp=2, tensor=2)
-    up = sharded_state.params.blocks.ffn.up  # (R, L, experts, dim, hidden)
-    assert tuple(up.sharding.spec)[:3] == ("diloco", None, "tensor")
-    assert relative(sharded_losses, losses) <= 1e-5
 
 
 @pytest.mark.slow  # a process with 16 simulated devices compiles a 1.3B model's programs
