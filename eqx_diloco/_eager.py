@@ -62,7 +62,7 @@ from ._exchange import resolve_method, sent_values
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
 from ._outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
-from ._sharding import all_rows_finite, payload_parts, sharded_axes, value_specs_in
+from ._sharding import all_rows_finite, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
 
 PyTree = Any
@@ -131,14 +131,10 @@ class OverlappedOuter:
 
         def body(sent):  # each leaf: (K, ...), this row's K replicas (this device's shard of them)
             finite = all_rows_finite(row_finite(sent), sharded_axes(specs))
-            means, own_error = [None] * len(sent), [None] * len(sent)
-            for part in payload_parts(specs, len(sent)):  # one payload per layout (see `payload_parts`)
-                part_means, part_errors = replica_mean([sent[i] for i in part], finite, fmt=fmt, method=method,
-                                                       skip_nonfinite=skip)
-                for j, i in enumerate(part):
-                    means[i] = part_means[j]
-                    # a float32 psum loses nothing
-                    own_error[i] = jnp.zeros_like(sent[i]) if part_errors is None else part_errors[j]
+            means, own_error = per_payload(specs, sent, lambda part: replica_mean(
+                part, finite, fmt=fmt, method=method, skip_nonfinite=skip))
+            # a float32 psum loses nothing
+            own_error = [jnp.zeros_like(x) if e is None else e for x, e in zip(sent, own_error)]
             return means, finite, own_error
 
         replica_specs = value_specs_in(specs, True)
@@ -162,13 +158,8 @@ class OverlappedOuter:
         if specs is None or as_codec(self.fmt).lossless:
             return jax.vmap(self._wire_value)(sent)
 
-        def body(local):  # this device's shard of its replicas' values
-            out = [None] * len(local)
-            for part in payload_parts(specs, len(local)):
-                rounded = jax.vmap(self._wire_value)([local[i] for i in part])
-                for j, i in enumerate(part):
-                    out[i] = rounded[j]
-            return out
+        def body(local):  # this device's shard of its replicas' values, one payload at a time
+            return per_payload(specs, local, lambda part: (jax.vmap(self._wire_value)(part),))[0]
 
         replica_specs = value_specs_in(specs, True)
         return jax.shard_map(body, mesh=self.mesh, in_specs=(replica_specs,), out_specs=replica_specs)(sent)

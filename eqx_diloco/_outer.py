@@ -31,7 +31,7 @@ from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nb
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
 from ._mesh import row_devices
-from ._sharding import all_rows_finite, payload_parts, sharded_axes, value_specs_in
+from ._sharding import all_rows_finite, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
 
 PyTree = Any
@@ -120,13 +120,8 @@ def mean_outer_gradient(
         if error_feedback:
             deltas = [d + e for d, e in zip(deltas, residuals)]
         finite = all_rows_finite(row_finite(deltas), sharded_axes(specs))
-        means, new_residuals = [None] * len(deltas), [None] * len(deltas)
-        for part in payload_parts(specs, len(deltas)):
-            part_means, part_errors = replica_mean([deltas[i] for i in part], finite, fmt=fmt, method=method,
-                                                   skip_nonfinite=skip_nonfinite)
-            for j, i in enumerate(part):
-                means[i] = part_means[j]
-                new_residuals[i] = None if part_errors is None else part_errors[j]
+        means, new_residuals = per_payload(specs, deltas, lambda part: replica_mean(
+            part, finite, fmt=fmt, method=method, skip_nonfinite=skip_nonfinite))
         return means, finite, new_residuals if error_feedback else None
 
     replica_specs, global_specs = value_specs_in(specs, True), value_specs_in(specs, False)

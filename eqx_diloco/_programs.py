@@ -41,6 +41,7 @@ class Programs:
 
     signature: tuple
     leaf_specs: tuple  # per trainable leaf (flatten order), its PartitionSpec over the inner axes
+    value_specs: tuple | None  # per group, its values' specs (None unless the islands are sharded)
     groups: tuple[ParamGroup, ...]  # fragments 0..P-1, then the router group if it has its own period
     router_group: int | None
     static: PyTree  # the model's non-trainable part
@@ -108,7 +109,7 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         )
     all_shapes = [x.shape for x in jax.tree.leaves(abstract)]
     return Programs(
-        signature=signature(params), leaf_specs=leaf_specs, groups=groups,
+        signature=signature(params), leaf_specs=leaf_specs, value_specs=value_specs, groups=groups,
         # With its own sync period, the router group comes after the P fragments.
         router_group=d.num_fragments if separate is not None else None,
         static=static, build_kwargs=build_kwargs, abstract_state=abstract_state, shardings=shardings,

@@ -219,6 +219,23 @@ def payload_parts(specs: list[PartitionSpec] | None, count: int) -> list[list[in
     return list(parts.values())
 
 
+def per_payload(specs: list[PartitionSpec] | None, values: list, fn: Callable[[list], tuple]) -> tuple[list, ...]:
+    """`fn` on each payload part of `values` (see `payload_parts`); its results back in `values` order.
+
+    `fn(part_values)` returns a tuple of lists (one entry per value of the part) or of None;
+    each becomes one list over all of `values` (None where `fn` gave None).
+    """
+    outs: list[list] | None = None
+    for part in payload_parts(specs, len(values)):
+        results = fn([values[i] for i in part])
+        if outs is None:
+            outs = [[None] * len(values) for _ in results]
+        for out, result in zip(outs, results):
+            for j, i in enumerate(part):
+                out[i] = None if result is None else result[j]
+    return tuple(outs or ())
+
+
 def all_rows_finite(finite: Bool[Array, " K"], axes: tuple[str, ...]) -> Bool[Array, " K"]:
     """Inside a shard_map manual over every axis: (K,) flags true only where every device of the
     replica (each holding its own shard, differing along `axes`) found its shard finite."""

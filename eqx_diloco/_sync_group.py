@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from jaxtyping import Array
 
 from ._eager import InFlightExchange
-from ._outer import InFlightSync, payload_parts, sync_nbytes, sync_wire_nbytes
-from ._sharding import local_shape
+from ._outer import InFlightSync, sync_nbytes, sync_wire_nbytes
+from ._sharding import local_shape, payload_parts
 from ._state import TrainState
 
 if TYPE_CHECKING:
@@ -99,11 +99,11 @@ def make_sync_groups(d: "DiLoCo", programs: "Programs", params: PyTree) -> tuple
     """
     H, P = d.sync_period, d.num_fragments
     island = d.fsdp * d.tensor  # devices that each send their own shard of the replica's values
+    sizes = {"fsdp": d.fsdp, "tensor": d.tensor}
     sync_groups = []
     for index, group in enumerate(programs.groups):
         shapes = [v.shape for v in group.get(params)]
-        specs = [programs.leaf_specs[j] for j in group.leaf_indices(params)] if island > 1 else None
-        sizes = {"fsdp": d.fsdp, "tensor": d.tensor}
+        specs = None if programs.value_specs is None else programs.value_specs[index]
         # One device's payloads: its shard of each value, one payload per layout (see `payload_parts`).
         parts = [[local_shape(shapes[i], specs[i], sizes) if specs else shapes[i] for i in part]
                  for part in payload_parts(specs, len(shapes))]

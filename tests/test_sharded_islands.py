@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from sharded_util import CONFIG, REPO, R, batch, make_core
 
-from eqx_diloco import ConfigError, DiLoCo, fsdp_specs
+from benchmarks.memory import state_bytes_per_device  # device memory only, from shapes and shardings
+from eqx_diloco import ConfigError, fsdp_specs
 from eqx_diloco import quantize as q
 from eqx_diloco._outer import mean_outer_gradient
 from models.transformer import Transformer
@@ -35,16 +36,6 @@ def test_adamw_moments_follow_the_parameters():
     layouts = {x.sharding.spec for x in jax.tree.leaves(momentum)}
     assert PartitionSpec(None, "fsdp", "tensor") in layouts
     assert {r.sharding.spec for r in state.residuals[0]} >= {spec}
-
-
-def state_bytes_per_device(diloco: DiLoCo) -> int:
-    """Bytes of the train state on the busiest device, from the state's shapes and shardings."""
-    per_device: dict = {}
-    for x, sharding in zip(jax.tree.leaves(diloco.abstract_state), jax.tree.leaves(diloco.shardings)):
-        shard = sharding.shard_shape(x.shape)
-        for device in sharding.device_set:
-            per_device[device] = per_device.get(device, 0) + int(np.prod(shard)) * x.dtype.itemsize
-    return max(per_device.values())
 
 
 def test_state_bytes_per_device_shrink_with_fsdp():
@@ -158,17 +149,6 @@ def test_a_model_without_tensor_rules_for_an_odd_width_stays_whole():
     assert specs.blocks.ffn.up == PartitionSpec(None, None, "fsdp")  # (4, 36, 72)
 
 
-def device_memory_bytes(diloco: DiLoCo) -> int:
-    """Bytes of the train state in device memory (not host memory) on its busiest device."""
-    per_device: dict = {}
-    for x, sharding in zip(jax.tree.leaves(diloco.abstract_state), jax.tree.leaves(diloco.shardings)):
-        if sharding.memory_kind == "pinned_host":
-            continue
-        for device in sharding.device_set:
-            per_device[device] = per_device.get(device, 0) + int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
-    return max(per_device.values())
-
-
 def test_outer_state_in_host_memory_leaves_device_memory():
     model = Transformer(CONFIG, key=jax.random.key(0))
     params_bytes = sum(x.size * 4 for x in jax.tree.leaves(model)) // 4  # a shard of fsdp 2 x tensor 2
@@ -176,7 +156,7 @@ def test_outer_state_in_host_memory_leaves_device_memory():
     on_device.abstract(model)
     on_host.abstract(model)
     # theta_g and the outer momentum: two parameter-sized float32 copies (less what stays replicated)
-    assert device_memory_bytes(on_device) - device_memory_bytes(on_host) >= 1.9 * params_bytes
+    assert state_bytes_per_device(on_device) - state_bytes_per_device(on_host) >= 1.9 * params_bytes
     kinds = {s.memory_kind for s in jax.tree.leaves((on_host.shardings.global_params, on_host.shardings.outer_states))}
     assert kinds == {"pinned_host"}
 
