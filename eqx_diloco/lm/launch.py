@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     elastic.add_argument("--drain-s", type=float, default=3.0,
                          help="seconds the survivors get to finish writing their newest snapshot before they are "
                               "stopped and re-formed")
+    decoupled = parser.add_argument_group(
+        "decoupled islands (independent programs that sync through a syncer service: no global barrier)")
+    decoupled.add_argument("--decoupled", action="store_true",
+                           help="start a syncer and --num-processes islands; a lost island is restarted "
+                                "(--max-restarts) while the others train on")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags for every process")
     args = parser.parse_args(argv)
     if args.num_processes < 1:
@@ -244,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --grace-s must be >= 0 (got {args.grace_s})", file=sys.stderr)
         return 2
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if args.decoupled:
+        return _decoupled(args, flags)
     elastic = _elastic(flags)
     replicas = _num_replicas(flags)
     if elastic and flag_value(flags, "--diloco.num-replicas") is None:
@@ -286,6 +293,40 @@ def main(argv: list[str] | None = None) -> int:
                       grace_s=args.grace_s)
     if args.log_dir is None and (code == 0 or not any(log_dir.iterdir())):
         shutil.rmtree(log_dir, ignore_errors=True)  # a default folder is only kept to explain a failure
+    elif code != 0:
+        print(f"launcher: the processes' logs are in {log_dir}", file=sys.stderr)
+    return code
+
+
+def _decoupled(args: argparse.Namespace, flags: list[str]) -> int:
+    replicas = flag_value(flags, "--diloco.num-replicas")
+    for flag, value, rule in [
+        ("--diloco.num-replicas", replicas, replicas is None or replicas == str(args.num_processes)),
+        ("--decoupled.role", flag_value(flags, "--decoupled.role"), flag_value(flags, "--decoupled.role") is None),
+        ("--decoupled.island", flag_value(flags, "--decoupled.island"), flag_value(flags, "--decoupled.island") is None),
+        ("--bandwidth", args.bandwidth, args.bandwidth is None),
+    ]:
+        if not rule:
+            why = (f"must equal --num-processes {args.num_processes} (one island per process)"
+                   if flag == "--diloco.num-replicas" else "is set by the launcher per process" if flag != "--bandwidth"
+                   else "applies to one multi-process run, not to decoupled islands")
+            print(f"error: with --decoupled, {flag} {why} (got {value})", file=sys.stderr)
+            return 2
+    if _elastic(flags):
+        print("error: --decoupled and --elastic.enabled exclude each other: decoupled islands are elastic by "
+              "themselves", file=sys.stderr)
+        return 2
+    for flag, value in [("--max-restarts", args.max_restarts), ("--rejoin-after-s", args.rejoin_after_s)]:
+        if not value >= 0:
+            print(f"error: {flag} must be >= 0 (got {value})", file=sys.stderr)
+            return 2
+    from .decoupled import launch_decoupled
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="eqx_diloco_decoupled_"))
+    code = launch_decoupled(args.num_processes, flags, module=args.module, log_dir=log_dir, grace_s=args.grace_s,
+                            max_restarts=args.max_restarts, rejoin_after_s=args.rejoin_after_s)
+    if args.log_dir is None and code == 0:
+        shutil.rmtree(log_dir, ignore_errors=True)
     elif code != 0:
         print(f"launcher: the processes' logs are in {log_dir}", file=sys.stderr)
     return code

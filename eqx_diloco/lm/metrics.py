@@ -71,16 +71,22 @@ class MetricsLog:
     - `resume_step`: on resume, lines of steps after this one (written by a run that died
       before its next checkpoint) are dropped so the file reads like one uninterrupted run.
     - `enabled`: False on every process but process 0.
+    - `append`: keep every line already in the file (a restarted decoupled island: the steps it
+      lost stay in its log, as work done).
 
     A failed write raises `LogWriteError`, once; later records are dropped (the run is stopping).
     """
 
-    def __init__(self, run_dir: Path, *, resume_step: int = 0, enabled: bool = True):
+    def __init__(self, run_dir: Path, *, resume_step: int = 0, enabled: bool = True, append: bool = False):
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = None
+        if append:
+            self._file = self.path.open("a")
+            return
         kept = []
         if resume_step > 0 and self.path.exists():
             for line in self.path.read_text().splitlines():

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(config: Config, process: _Process) -> int:
     # Every check that can fail on the flags alone runs before JAX starts or compiles.
     validate(config)
+    if config.decoupled.role != "off":
+        return _decoupled(config, process)
     check_dist(config)
     layout = process_layout(config)
     process.num_processes, process.process_id = layout.num_processes, layout.process_id
@@ -159,6 +161,26 @@ def _main(config: Config, process: _Process) -> int:
         if trainer.log_error is not None:  # it failed at the last step: the run finished all the same
             return _fail(process, 1, f"{trainer.log_error}; the run finished ({_saved(trainer)})", local=False)
     return 0
+
+
+def _decoupled(config: Config, process: _Process) -> int:
+    """A syncer or one island of a decoupled run: a program of its own, with no `jax.distributed` world
+    and no run-folder lock (the syncer and the islands share the run folder, each in its own files)."""
+    check_writable(config, checkpoints=False)
+    from ._cache import enable_compilation_cache
+
+    enable_compilation_cache(config)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    if config.decoupled.role == "syncer":
+        from .syncer import run_syncer
+
+        return run_syncer(config)
+    from .island import IslandError, run_island
+
+    try:
+        return run_island(config)
+    except IslandError as e:
+        return _fail(process, 1, str(e))
 
 
 def _stopped_at(trainer, step: int) -> str:

@@ -1,0 +1,136 @@
+"""One decoupled island's side of a sync: its fragments as flat vectors, the outer gradient against the
+theta_g it started from, (quantized, error-feedback) pushes to the syncer, and the merged fragment
+installed back into its model. The island's inner steps are the user's own program.
+
+    island = Island(model, layers=lambda m: m.blocks, num_fragments=2, client=SyncerClient(...), island=k)
+    model = island.join(model)                      # theta_g of every fragment
+    ...  # inner steps
+    model = island.sync(model, fragment=0, tokens=n)  # push, wait for the merge, install
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float32
+
+from . import quantize as codec
+from ._errors import ConfigError
+from ._fragments import Fragmenter, Pattern
+from ._rpc import SyncerClient, SyncRefused
+
+PyTree = Any
+
+
+def fragment_vectors(params: PyTree, fragmenter: Fragmenter) -> list[np.ndarray]:
+    """Every fragment of `params` (the model's trainable arrays) as one flat float32 host vector."""
+    return [np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in fragmenter.get(params, f)])
+            for f in range(fragmenter.num_fragments)]
+
+
+def install_fragment(params: PyTree, fragmenter: Fragmenter, fragment: int, vector: np.ndarray) -> PyTree:
+    """`params` with `fragment`'s values taken from the flat vector `vector` (cast to each leaf's dtype)."""
+    values, offset = [], 0
+    for v in fragmenter.get(params, fragment):
+        n = int(np.prod(v.shape))
+        values.append(jnp.asarray(vector[offset: offset + n].reshape(v.shape), dtype=v.dtype))
+        offset += n
+    return fragmenter.put(params, fragment, values)
+
+
+class Island:
+    """The syncing half of one decoupled island.
+
+    **Arguments:**
+
+    - `model`: the island's model (its trainable arrays, `eqx.is_inexact_array`, are synced).
+    - `layers`: selector of the stacked layer module(s), as for `DiLoCo` (None: one fragment).
+    - `num_fragments`, `fragment_pattern`: the fragments, as for `DiLoCo` (the syncer must have the same).
+    - `client`: the `SyncerClient`.
+    - `island`: this island's id.
+    - `quantize`: wire format of outer gradients (`quantize.FORMATS`).
+    - `error_feedback`: carry each fragment's quantization residual to its next push.
+    """
+
+    def __init__(self, model: PyTree, *, layers: Callable[[PyTree], Any] | None, num_fragments: int = 1,
+                 fragment_pattern: Pattern = "strided", client: SyncerClient, island: int,
+                 quantize: str = "none", error_feedback: bool = False):
+        if quantize not in codec.FORMATS:
+            raise ConfigError(f"quantize must be one of {', '.join(codec.FORMATS)} (got {quantize!r})")
+        params = eqx.filter(model, eqx.is_inexact_array)
+        try:
+            self.fragmenter = Fragmenter.for_model(params, layers, num_fragments, fragment_pattern)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.client, self.island, self.fmt, self.error_feedback = client, island, quantize, error_feedback
+        self.num_fragments = num_fragments
+        self.sizes = [v.size for v in fragment_vectors(params, self.fragmenter)]
+        self.versions = [0] * num_fragments
+        self.base: list[np.ndarray] = []
+        self.residuals = [np.zeros(n, np.float32) for n in self.sizes]
+        self.fastest_steps_per_s: float | None = None
+        self.lost_rounds = 0  # pushes whose tokens never reached theta_g (refused, or the syncer lost them)
+        self._encode = jax.jit(self._encode_impl, static_argnums=1)
+
+    @staticmethod
+    def _encode_impl(delta: Float32[Array, " n"], fmt: str):
+        payload = codec.encode(delta, fmt)
+        return payload, delta - codec.decode(payload, fmt, delta.shape)
+
+    def _install(self, model: PyTree, fragment: int, theta: np.ndarray) -> PyTree:
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        return eqx.combine(install_fragment(params, self.fragmenter, fragment, theta), static)
+
+    def join(self, model: PyTree) -> PyTree:
+        """Fetch theta_g of every fragment and return `model` holding it (start or restart)."""
+        versions, thetas = self.client.join(self.island)
+        if [t.size for t in thetas] != self.sizes:
+            raise ConfigError(f"the syncer's fragments have sizes {[t.size for t in thetas]}, this island's model "
+                              f"makes {self.sizes}: the syncer serves another model or fragment layout")
+        self.versions, self.base = list(versions), [np.array(t, np.float32) for t in thetas]
+        self.residuals = [np.zeros(n, np.float32) for n in self.sizes]
+        for f, theta in enumerate(thetas):
+            model = self._install(model, f, theta)
+        return model
+
+    def sync(self, model: PyTree, fragment: int, *, tokens: int, steps_per_s: float | None = None) -> PyTree:
+        """Push `fragment`'s outer gradient (made from `tokens` tokens), wait for its merge and return
+        `model` holding the merged fragment. If the syncer asks the island to join again (it restarted,
+        or this contribution was too stale), the round's tokens are lost and the island restarts from
+        the current theta_g of every fragment."""
+        params = eqx.filter(model, eqx.is_inexact_array)
+        current = np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in self.fragmenter.get(params, fragment)])
+        delta = self.base[fragment] - current
+        if self.error_feedback:
+            delta = delta + self.residuals[fragment]
+        payload, residual = self._encode(jnp.asarray(delta), self.fmt)
+        try:
+            reply = self.client.push(island=self.island, fragment=fragment, base_version=self.versions[fragment],
+                                     tokens=int(tokens), fmt=self.fmt, payload=payload, steps_per_s=steps_per_s)
+        except SyncRefused as e:
+            if not e.rejoin:
+                raise
+            self.lost_rounds += 1
+            return self.join(model)
+        if self.error_feedback:
+            self.residuals[fragment] = np.asarray(residual)
+        theta = np.asarray(reply["theta"], np.float32)
+        self.versions[fragment], self.base[fragment] = int(reply["version"]), theta.copy()
+        self.fastest_steps_per_s = reply.get("fastest_steps_per_s")
+        return self._install(model, fragment, theta)
+
+    def leave(self) -> None:
+        """Tell the syncer this island is done (the windows stop waiting for it)."""
+        self.client.leave(self.island)
+
+
+def adaptive_sync_period(sync_period: int, steps_per_s: float, fastest_steps_per_s: float | None) -> int:
+    """Dynamic Local Updates (arXiv 2401.09135): H of an island in proportion to its speed, so islands
+    of different speed reach their syncs together; the fastest island keeps `sync_period`."""
+    if not fastest_steps_per_s or steps_per_s <= 0:
+        return sync_period
+    return max(1, min(sync_period, round(sync_period * steps_per_s / fastest_steps_per_s)))
+

@@ -1,0 +1,235 @@
+"""The syncer as a gRPC service, and the islands' client of it.
+
+gRPC carries the bytes; every request and reply is a `_wire` payload (raw array bytes under a typed
+JSON header), never pickle, so whatever reaches the port can only ever build numpy arrays and plain
+values. No generated protobuf code is needed: the methods are unary calls on bytes.
+
+Methods of the service `eqx_diloco.Syncer`:
+
+- `Join {island}` -> `{versions, theta}`: a (re)starting island gets every fragment's theta_g.
+- `Push {island, fragment, base_version, tokens, format, data, scales, steps_per_s}` ->
+  `{version, theta, fastest_steps_per_s}`: one (quantized) outer gradient; the reply comes when the
+  window it joined has merged (at most the grace window later).
+- `Leave {island}` -> `{}`: an island that finished.
+- `Status {}` -> versions, islands present, tokens merged and refused, merges so far.
+
+Every call carries the shared secret in the metadata `x-eqx-diloco-token` and is refused
+(UNAUTHENTICATED) without it. A refused push is one line (INVALID_ARGUMENT: the island is dropped
+from quorums; FAILED_PRECONDITION / NOT_FOUND: the island must join again, e.g. after the syncer
+restarted from a checkpoint older than the island's theta_g). The client retries calls the syncer
+could not answer (it is restarting) with exponential backoff.
+"""
+
+import hmac
+import random
+import threading
+import time
+from concurrent import futures
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import jax
+import numpy as np
+
+from . import quantize
+from ._errors import ConfigError
+from ._syncer import Refused, Syncer
+from ._wire import WireFormatError, decode, encode
+
+SERVICE = "eqx_diloco.Syncer"
+TOKEN_KEY = "x-eqx-diloco-token"
+TOKEN_ENV = "EQX_DILOCO_SYNCER_TOKEN"
+_HEADER_SLACK = 1 << 16  # bytes a push may carry beyond its largest float32 fragment (header, scales)
+
+
+def _identity(x: bytes) -> bytes:
+    return x
+
+
+class SyncRefused(RuntimeError):
+    """The syncer refused a call (one line). `rejoin` says whether joining again fixes it."""
+
+    def __init__(self, message: str, *, rejoin: bool):
+        super().__init__(message)
+        self.rejoin = rejoin
+
+
+class SyncerUnreachable(RuntimeError):
+    """The syncer did not answer within the client's retry budget."""
+
+
+class SyncerService:
+    """Serves a `Syncer` over gRPC.
+
+    **Arguments:**
+
+    - `syncer`: the state and merge rule.
+    - `address`: `host:port` to listen on (port 0: any free port, see `port`).
+    - `token`: the shared secret every call must carry.
+    - `max_workers`: server threads; each waiting push holds one (default: 4 per island + 4).
+    """
+
+    def __init__(self, syncer: Syncer, *, address: str, token: str, max_workers: int | None = None):
+        if not token:
+            raise ConfigError("the syncer needs a non-empty shared secret (--decoupled.token or $" + TOKEN_ENV + ")")
+        self.syncer, self.token = syncer, token.encode()
+        # A push carries one fragment (float32 at most); a join's reply carries all of them.
+        self.max_message = 4 * max(syncer.sizes) + _HEADER_SLACK
+        self._payload_shapes: dict[tuple[int, str], Any] = {}
+        options = [("grpc.max_receive_message_length", self.max_message),
+                   ("grpc.max_send_message_length", 4 * sum(syncer.sizes) + _HEADER_SLACK)]
+        workers = max_workers or 4 * syncer.num_islands + 4
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+            self._guarded(method), request_deserializer=_identity, response_serializer=_identity)
+            for name, method in [("Join", self._join), ("Push", self._push), ("Leave", self._leave),
+                                 ("Status", self._status)]}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise ConfigError(f"the syncer cannot listen on {address} (in use, or not an address of this host)")
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._stopped = threading.Event()
+
+    def start(self) -> "SyncerService":
+        self.server.start()
+        self._ticker.start()
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stopped.set()
+        self.server.stop(grace_s).wait()
+
+    def _tick(self) -> None:
+        # Windows close by grace even when no island calls in (all the others wait in `Push`).
+        while not self._stopped.wait(0.01):
+            self.syncer.poll()
+
+    def _guarded(self, method: Callable[[dict], dict]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+            sent = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
+            if not hmac.compare_digest(str(sent).encode(), self.token):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "refused: wrong or missing shared secret")
+            island = None
+            try:
+                message = decode(request, source=f"a request from {context.peer()}")
+                if not isinstance(message, dict):
+                    raise Refused("the request is not an object")
+                island = message.get("island")
+                return encode(method(message))
+            except Refused as e:
+                if e.kind == "invalid" and isinstance(island, int) and 0 <= island < self.syncer.num_islands:
+                    self.syncer.drop(island)
+                code = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "version": grpc.StatusCode.FAILED_PRECONDITION,
+                        "unknown": grpc.StatusCode.NOT_FOUND}[e.kind]
+                context.abort(code, f"refused: {e}")
+            except WireFormatError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
+            except (KeyError, TypeError, ValueError) as e:
+                if isinstance(island, int) and 0 <= island < self.syncer.num_islands:
+                    self.syncer.drop(island)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: malformed request ({type(e).__name__}: {e})")
+
+        return handler
+
+    def _join(self, message: dict) -> dict:
+        fragments = self.syncer.join(message["island"])
+        return {"versions": [v for v, _ in fragments], "theta": [t for _, t in fragments]}
+
+    def _leave(self, message: dict) -> dict:
+        self.syncer.leave(message["island"])
+        return {}
+
+    def _status(self, message: dict) -> dict:
+        s = self.syncer
+        return {"versions": list(s.versions), "present": sorted(s.present), "tokens_merged": s.tokens_merged,
+                "tokens_refused": s.tokens_refused, "merges": len(s.merges)}
+
+    def _expected(self, fragment: int, fmt: str) -> Any:
+        key = (fragment, fmt)
+        if key not in self._payload_shapes:
+            self._payload_shapes[key] = jax.eval_shape(
+                lambda x: quantize.encode(x, fmt), jax.ShapeDtypeStruct((self.syncer.sizes[fragment],), np.float32))
+        return self._payload_shapes[key]
+
+    def _push(self, m: dict) -> dict:
+        island, fragment, fmt = m["island"], m["fragment"], m["format"]
+        if fmt not in quantize.FORMATS:
+            raise Refused(f"unknown wire format {fmt!r}")
+        if not (isinstance(fragment, int) and 0 <= fragment < len(self.syncer.sizes)):
+            raise Refused(f"fragment {fragment!r} is not one of the run's {len(self.syncer.sizes)} fragments")
+        expected = self._expected(fragment, fmt)
+        for name, got, want in [("data", m["data"], expected.data), ("scales", m["scales"], expected.scales)]:
+            got_spec = None if got is None else (np.asarray(got).shape, np.asarray(got).dtype)
+            want_spec = None if want is None else (want.shape, np.dtype(want.dtype))
+            if got_spec != want_spec:
+                raise Refused(f"fragment {fragment}'s {fmt} payload needs {name} {want_spec}, got {got_spec}")
+        payload = quantize.Payload(np.asarray(m["data"]), None if m["scales"] is None else np.asarray(m["scales"]))
+        delta = np.asarray(quantize.decode(payload, fmt, (self.syncer.sizes[fragment],)), np.float32)
+        rate = m.get("steps_per_s")
+        rate = float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+        ticket = self.syncer.contribute(island, fragment, m["base_version"], m["tokens"], delta, steps_per_s=rate)
+        version, theta = self.syncer.wait(ticket)
+        return {"version": version, "theta": theta,
+                "fastest_steps_per_s": max(self.syncer.steps_per_s.values(), default=None)}
+
+
+class SyncerClient:
+    """An island's connection to the syncer.
+
+    **Arguments:**
+
+    - `address`: the syncer's `host:port`.
+    - `token`: the shared secret.
+    - `retry_s`: how long a call keeps retrying (exponential backoff) while the syncer is unreachable.
+    - `max_message`: the largest message sent or received, in bytes.
+    """
+
+    def __init__(self, address: str, *, token: str, retry_s: float = 120.0, max_message: int = 1 << 30):
+        self.address, self.retry_s = address, retry_s
+        self._metadata = ((TOKEN_KEY, token),)
+        options = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
+        self.channel = grpc.insecure_channel(address, options=options)
+        self._calls = {name: self.channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=_identity,
+                                                      response_deserializer=_identity)
+                       for name in ("Join", "Push", "Leave", "Status")}
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def call(self, name: str, message: dict, *, timeout: float = 600.0) -> dict:
+        request = encode(message)
+        delay, deadline = 0.05, time.monotonic() + self.retry_s
+        while True:
+            try:
+                reply = self._calls[name](request, metadata=self._metadata, timeout=timeout, wait_for_ready=False)
+                return decode(reply, source=f"the syncer at {self.address}")
+            except grpc.RpcError as e:
+                code, detail = e.code(), e.details() or str(e.code())
+                if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    raise SyncRefused(detail, rejoin=True) from None
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise SyncRefused(f"{detail} ({code.name})", rejoin=False) from None
+                if time.monotonic() + delay > deadline:
+                    raise SyncerUnreachable(
+                        f"the syncer at {self.address} did not answer for {self.retry_s:.0f} s ({detail})") from None
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(2.0, 2 * delay)
+
+    def join(self, island: int) -> tuple[list[int], list[np.ndarray]]:
+        reply = self.call("Join", {"island": island})
+        return list(reply["versions"]), list(reply["theta"])
+
+    def push(self, *, island: int, fragment: int, base_version: int, tokens: int, fmt: str,
+             payload: quantize.Payload, steps_per_s: float | None = None) -> dict:
+        return self.call("Push", {
+            "island": island, "fragment": fragment, "base_version": base_version, "tokens": tokens, "format": fmt,
+            "data": np.asarray(payload.data), "scales": None if payload.scales is None else np.asarray(payload.scales),
+            "steps_per_s": steps_per_s})
+
+    def leave(self, island: int) -> None:
+        self.call("Leave", {"island": island})
+
+    def status(self) -> dict:
+        return self.call("Status", {})

@@ -1,0 +1,140 @@
+"""`python -m eqx_diloco.launch --decoupled`: a syncer and N decoupled islands on this machine.
+
+    python -m eqx_diloco.launch --decoupled --num-processes 4 --max-restarts 2 -- --diloco.quantize int4
+
+Every process runs `python -m eqx_diloco.train <flags>` with `--decoupled.role syncer` or
+`--decoupled.role island --decoupled.island K`, the syncer's address and `--diloco.num-replicas N`.
+They share no JAX runtime: an island that dies is restarted (up to `--max-restarts` times, after
+`--rejoin-after-s`) while the others train on, and joins again from the current theta_g; a syncer that
+dies is restarted on the same port from its newest checkpoint while the islands retry. The shared
+secret is `$EQX_DILOCO_SYNCER_TOKEN` if set, else a fresh random one, passed to the processes in their
+environment (never on a command line, which other users of the machine can read). When every island
+has finished (or failed with no restarts left), the syncer is stopped: it evaluates theta_g once more,
+checkpoints and writes its summary.
+
+The same roles by hand, on several hosts (see the README):
+
+    host A$ EQX_DILOCO_SYNCER_TOKEN=... python -m eqx_diloco.train --decoupled.role syncer --decoupled.syncer 0.0.0.0:50051 ...
+    host B$ EQX_DILOCO_SYNCER_TOKEN=... python -m eqx_diloco.train --decoupled.role island --decoupled.island 0 --decoupled.syncer A:50051 ...
+"""
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .._rpc import TOKEN_ENV
+from ._processes import LauncherSignals, _die_with_launcher, flag_value, free_port, signal_group, stop_all, tail
+from .island import RUN_T0_ENV
+
+
+def _run_dir(flags: list[str]) -> Path:
+    from .config import Config
+
+    value = flag_value(flags, "--run-dir")
+    return Path(value) if value is not None else Config().run_dir
+
+
+class _Role:
+    """One supervised process: the syncer or an island, restarted with the same flags."""
+
+    def __init__(self, name: str, flags: list[str], log: Path, env: dict[str, str], restarts: int):
+        self.name, self.flags, self.log, self.env, self.restarts_left = name, flags, log, env, restarts
+        self.proc: subprocess.Popen | None = None
+        self.restarted = 0
+        self.finished = False
+        self.restart_at: float | None = None
+
+    def start(self, module: str) -> None:
+        # The syncer's output (its evaluations of theta_g) is this terminal's; errors go to the logs.
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *self.flags], env=self.env,
+                                         stdout=None if self.name == "syncer" else out,
+                                         stderr=out if self.name == "syncer" else subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_launcher())
+
+
+def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir: Path, grace_s: float,
+                     max_restarts: int, rejoin_after_s: float) -> int:
+    """Start the syncer and `num_islands` islands, restart what dies, stop the syncer when the islands are
+    done. Returns 0 when every island finished its steps."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    address = flag_value(flags, "--decoupled.syncer")
+    if address is None:
+        address = f"127.0.0.1:{free_port()}"
+        flags = [*flags, "--decoupled.syncer", address]
+    if flag_value(flags, "--diloco.num-replicas") is None:
+        flags = [*flags, "--diloco.num-replicas", str(num_islands)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_T0_ENV: repr(time.time())})
+    env.setdefault(TOKEN_ENV, secrets.token_hex(16))
+    syncer = _Role("syncer", [*flags, "--decoupled.role", "syncer"], log_dir / "syncer.log", env, max_restarts)
+    islands = [_Role(f"island {k}", [*flags, "--decoupled.role", "island", "--decoupled.island", str(k)],
+                     log_dir / f"island-{k}.log", env, max_restarts) for k in range(num_islands)]
+    failed: list[str] = []
+    print(f"launcher: syncer at {address}, {num_islands} decoupled islands; logs in {log_dir}", file=sys.stderr)
+    roles = [syncer, *islands]
+    try:
+        with LauncherSignals() as signals:
+            for role in roles:
+                role.start(module)
+            while True:
+                if signals.received:
+                    sig = signals.received[0]
+                    print(f"launcher: got {signal.Signals(sig).name}, stopping the syncer and the islands",
+                          file=sys.stderr)
+                    return 128 + sig
+                now = time.monotonic()
+                for role in roles:
+                    if role.proc is None:
+                        if role.restart_at is not None and now >= role.restart_at:
+                            role.restart_at = None
+                            role.start(module)
+                        continue
+                    code = role.proc.poll()
+                    if code is None:
+                        continue
+                    role.proc = None
+                    if code == 0 and role is not syncer:
+                        role.finished = True
+                        continue
+                    last = (tail(role.log, 1) or "").strip()
+                    if code == 2:  # a refused flag: every restart would be refused the same way
+                        failed.append(f"{role.name} refused its flags: {last}")
+                        return 2
+                    if role.restarts_left > 0:
+                        role.restarts_left -= 1
+                        role.restarted += 1
+                        role.restart_at = now + (rejoin_after_s if role is not syncer else 0.0)
+                        print(f"launcher: {role.name} exited with {code}; restart {role.restarted} of {max_restarts}"
+                              + (f" in {rejoin_after_s:g} s" if role is not syncer and rejoin_after_s else ""),
+                              file=sys.stderr)
+                    elif role is syncer:
+                        failed.append(f"the syncer exited with {code} and has no restarts left: {last}")
+                        return 1
+                    else:
+                        failed.append(f"{role.name} exited with {code} and has no restarts left: {last}")
+                if all(r.finished or (r.proc is None and r.restart_at is None) for r in islands):
+                    break
+                time.sleep(0.05)
+            if syncer.proc is not None:
+                signal_group(syncer.proc, signal.SIGTERM)
+                try:
+                    syncer.proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    failed.append(f"the syncer did not stop within --grace-s {grace_s:g}")
+    finally:
+        stop_all([r.proc for r in roles if r.proc is not None], grace_s)
+        for line in failed:
+            print(f"launcher: {line}", file=sys.stderr)
+    summary = _run_dir(flags) / "syncer" / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        restarts = sum(r.restarted for r in islands)
+        print(f"launcher: {s['tokens_merged']:,} tokens merged into theta_g in {s['merges']} merges "
+              f"({s['merges_by_grace']} closed by grace), {s['tokens_refused']:,} refused; "
+              f"{restarts} island restarts", file=sys.stderr)
+    return 1 if failed else 0

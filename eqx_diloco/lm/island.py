@@ -1,0 +1,158 @@
+"""One decoupled island (`--decoupled.role island`): a replica that trains on its own and syncs each
+fragment through the syncer when its own H is done. No `jax.distributed`: the island shares no runtime
+with the others, so a lost island stops nothing but itself.
+
+The island writes `RUN_DIR/island-K/metrics.jsonl` (a line per step with `step`, `time`, `loss`, and
+a line per sync) and `RUN_DIR/island-K/progress.json` (the step of its newest sync). Restarted, it
+joins again (theta_g of every fragment), starts from that step with a fresh inner optimizer state at
+the step's point of the learning-rate schedule, and appends to its log: steps it computed and lost
+stay there, as work done. `time` is seconds since `$EQX_DILOCO_RUN_T0` (the launcher's start), else
+since the island started, so the islands' logs share one clock.
+"""
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import optax
+
+from models import Transformer
+
+from .._island import Island, adaptive_sync_period
+from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
+from ._core import lm_objective
+from .config import Config, ConfigError
+from .data import TokenBatches, load_tokens
+from .metrics import MetricsLog
+from .optimizers import inner_optimizer
+
+RUN_T0_ENV = "EQX_DILOCO_RUN_T0"
+# Benchmark-only: `K:F,...` slows island K by F (it sleeps F - 1 times its compute time after each step).
+SLOWDOWN_ENV = "EQX_DILOCO_SLOW_ISLANDS"
+
+
+class IslandError(RuntimeError):
+    """The syncer refused this island or could not be reached (one line; the island exits 1)."""
+
+
+def shared_token(config: Config) -> str:
+    token = config.decoupled.token or os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise ConfigError(f"--decoupled.token is not set and ${TOKEN_ENV} is empty: the syncer refuses calls "
+                          "without the shared secret")
+    return token
+
+
+def slowdown(island: int) -> float:
+    """This island's benchmark slowdown factor from `$EQX_DILOCO_SLOW_ISLANDS` (1: none)."""
+    for item in filter(None, os.environ.get(SLOWDOWN_ENV, "").split(",")):
+        k, _, factor = item.partition(":")
+        if k.strip() == str(island):
+            return max(1.0, float(factor))
+    return 1.0
+
+
+def initial_model(config: Config) -> Transformer:
+    """The model every island and the syncer start from (the trainer's initialisation)."""
+    model_key, _ = jax.random.split(jax.random.key(config.train.seed))
+    return Transformer(config.model, key=model_key)
+
+
+def _make_step(static, optimizer: optax.GradientTransformation, dropout: float):
+    loss_fn = lm_objective(dropout)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, tokens, key):
+        def loss(p):
+            return loss_fn(eqx.combine(p, static), tokens, key)[0]
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+def _write_progress(path: Path, step: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step}))
+    tmp.replace(path)
+
+
+def run_island(config: Config) -> int:
+    """Train island `--decoupled.island` to `--train.steps`; 0 when it finished."""
+    dc, d, t = config.decoupled, config.diloco, config.train
+    k, num_fragments, period = dc.island, d.num_fragments, d.sync_period
+    t0 = float(os.environ.get(RUN_T0_ENV, time.time()))
+    folder = config.run_dir / f"island-{k}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pid").write_text(str(os.getpid()))  # whoever supervises or tests the island can signal it
+    progress = folder / "progress.json"
+    start = json.loads(progress.read_text())["step"] if progress.exists() else 0
+    log = MetricsLog(folder, append=True)
+    tokens = load_tokens(config.data, config.model.vocab_size, t.seed)
+    batches = TokenBatches(tokens, num_replicas=1, batch_size=t.batch_size, seq_len=t.seq_len,
+                           eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split,
+                           islands=(k,), num_islands=d.num_replicas)
+    model = initial_model(config)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    optimizer = inner_optimizer(t, model.weight_decay_mask(), config.optim)
+    client = SyncerClient(dc.syncer, token=shared_token(config), retry_s=dc.retry_s)
+    island = Island(params, layers=lambda m: m.blocks, num_fragments=num_fragments,
+                    fragment_pattern=d.fragment_pattern, client=client, island=k, quantize=d.quantize,
+                    error_feedback=d.error_feedback)
+    step_fn = _make_step(static, optimizer, config.model.dropout)
+    factor = slowdown(k)
+    tokens_per_step = t.batch_size * t.seq_len
+    try:
+        params = island.join(params)
+        log.write({"step": start, "time": time.time() - t0, "joined": True, "versions": island.versions})
+        # The schedule goes on from `start`; every leaf its own buffer (the step donates them).
+        opt_state = optax.tree_utils.tree_set(optimizer.init(params), count=jax.numpy.asarray(start, jax.numpy.int32))
+        opt_state = jax.tree.map(jax.numpy.copy, opt_state)
+        # Streaming stagger: fragment f first syncs (f * H) // P steps early.
+        since = [(f * period) // num_fragments for f in range(num_fragments)]
+        steps_done = [0] * num_fragments
+        seconds_per_step = None
+        key = jax.random.fold_in(jax.random.key(t.seed), k)
+        for step in range(start, t.steps):
+            began = time.perf_counter()
+            batch = jax.numpy.asarray(batches.batch(step)[0])
+            params, opt_state, loss = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
+            loss = float(loss)
+            spent = time.perf_counter() - began
+            if factor > 1:
+                time.sleep((factor - 1) * spent)
+            took = time.perf_counter() - began
+            seconds_per_step = took if seconds_per_step is None else 0.9 * seconds_per_step + 0.1 * took
+            log.write({"step": step + 1, "time": time.time() - t0, "loss": loss, "tokens": tokens_per_step})
+            since = [s + 1 for s in since]
+            steps_done = [s + 1 for s in steps_done]
+            h = period
+            if dc.adaptive_h:
+                h = adaptive_sync_period(period, 1.0 / seconds_per_step, island.fastest_steps_per_s)
+            last = step + 1 == t.steps
+            for f in range(num_fragments):
+                if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
+                    waited = time.perf_counter()
+                    lost = island.lost_rounds
+                    params = island.sync(params, f, tokens=steps_done[f] * tokens_per_step,
+                                         steps_per_s=1.0 / seconds_per_step)
+                    log.write({"step": step + 1, "time": time.time() - t0, "sync": f, "version": island.versions[f],
+                               "h": h, "wait_s": round(time.perf_counter() - waited, 4),
+                               "tokens_sent": steps_done[f] * tokens_per_step, "lost": island.lost_rounds > lost})
+                    since[f], steps_done[f] = 0, 0
+                    _write_progress(progress, step + 1)
+        island.leave()
+    except SyncerUnreachable as e:
+        raise IslandError(f"island {k}: {e} (--decoupled.syncer {dc.syncer}, --decoupled.retry-s {dc.retry_s:g})") from None
+    except SyncRefused as e:
+        raise IslandError(f"island {k}: the syncer refused it: {e}") from None
+    finally:
+        log.close()
+        client.close()
+    return 0
