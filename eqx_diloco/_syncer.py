@@ -158,7 +158,8 @@ class Syncer:
         self.grace_min_s, self.grace_max_s = grace_min_s, grace_max_s
         self.on_merge, self.clock = on_merge, clock
         self.started = clock()
-        self.present: set[int] = set()
+        self.joined: set[int] = set()  # islands that may contribute (joined, not dropped or left)
+        self.present: set[int] = set()  # joined islands the windows wait for (not missing the last one)
         self.tokens_merged = 0.0
         self.tokens_refused = 0.0
         self.steps_per_s: dict[int, float] = {}  # each island's reported speed
@@ -201,6 +202,7 @@ class Syncer:
         """A (re)starting island: it counts towards quorums again; returns (version, theta_g) per fragment."""
         self._check_island(island)
         with self._lock:
+            self.joined.add(island)
             self.present.add(island)
             return [(v, t.copy()) for v, t in zip(self.versions, self.theta)]
 
@@ -208,12 +210,14 @@ class Syncer:
         """An island that finished: the windows stop waiting for it."""
         self._check_island(island)
         with self._lock:
+            self.joined.discard(island)
             self.present.discard(island)
         self.poll()
 
     def drop(self, island: int) -> None:
-        """Leave `island` out of quorums (a refused call): it counts again once it joins again."""
+        """Leave `island` out (a refused call): it may contribute again once it joins again."""
         with self._lock:
+            self.joined.discard(island)
             self.present.discard(island)
         self.poll()
 
@@ -237,7 +241,7 @@ class Syncer:
         if not np.isfinite(delta).all():
             raise Refused(f"island {island}'s outer gradient of fragment {fragment} holds NaN or Inf")
         with self._lock:
-            if island not in self.present:
+            if island not in self.joined:
                 raise Refused(f"island {island} has not joined (or was dropped): join first", kind="unknown")
             version = self.versions[fragment]
             if not (isinstance(base_version, int) and 0 <= base_version <= version):

@@ -114,8 +114,8 @@ def run_island(config: Config) -> int:
         # The schedule goes on from `start`; every leaf its own buffer (the step donates them).
         opt_state = optax.tree_utils.tree_set(optimizer.init(params), count=jax.numpy.asarray(start, jax.numpy.int32))
         opt_state = jax.tree.map(jax.numpy.copy, opt_state)
-        # Streaming stagger: fragment f first syncs (f * H) // P steps early.
-        since = [(f * period) // num_fragments for f in range(num_fragments)]
+        # Streaming DiLoCo's schedule (`eqx_diloco.schedule`): fragment f first syncs after (f + 1) H / P steps.
+        since = [period - ((f + 1) * period) // num_fragments for f in range(num_fragments)]
         steps_done = [0] * num_fragments
         seconds_per_step = None
         key = jax.random.fold_in(jax.random.key(t.seed), k)

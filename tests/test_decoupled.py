@@ -1,0 +1,356 @@
+"""Decoupled islands: the syncer's merge against the equations, its windows (quorum, grace, staleness),
+equivalence with synchronous DiLoCo, bad calls, restarts and rejoins, and the flags."""
+
+import threading
+import time
+
+import equinox as eqx
+import grpc
+import jax
+import numpy as np
+import optax
+import pytest
+
+from eqx_diloco import schedule
+from eqx_diloco._fragments import Fragmenter
+from eqx_diloco._island import Island, fragment_vectors, install_fragment
+from eqx_diloco._rpc import SERVICE, TOKEN_KEY, SyncerClient, SyncerService, SyncRefused, SyncerUnreachable
+from eqx_diloco._syncer import Refused, Syncer
+from eqx_diloco._syncer_checkpoint import SyncerCheckpoints
+from eqx_diloco._wire import encode
+from eqx_diloco.lm.config import ConfigError, DecoupledConfig, validate
+from eqx_diloco.lm.launch import main as launch_main
+from models.transformer import Transformer
+
+from sharded_util import CONFIG, R, batch, loss_fn, make_core, relative
+
+TOKEN = "secret-for-tests"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def nesterov_reference(theta0, windows, *, lr, mu):
+    """theta_g after each window, from the merge's equations: g = sum_i n_i / (1 + s_i) delta_i / sum_i n_i,
+    then SGD with Nesterov momentum: m <- mu m + g, theta <- theta - lr (g + mu m)."""
+    theta, m = np.asarray(theta0, np.float64), np.zeros_like(theta0, np.float64)
+    for version, window in enumerate(windows):
+        total = sum(n for _, n, _ in window)
+        g = sum(n / (1 + version - base) * np.asarray(d, np.float64) for d, n, base in window) / total
+        m = mu * m + g
+        theta = theta - lr * (g + mu * m)
+    return theta
+
+
+def test_merge_matches_the_equations_with_tokens_and_staleness():
+    rng = np.random.default_rng(0)
+    theta0 = rng.normal(size=50).astype(np.float32)
+    clock = FakeClock()
+    syncer = Syncer([theta0], outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True), num_islands=3,
+                    min_quorum=2, grace_s=1.0, max_staleness=3, clock=clock)
+    for k in range(3):
+        syncer.join(k)
+    # (island, tokens, base version) per window; the windows close at the quorum of 2.
+    plan = [[(0, 100, 0), (1, 300, 0)], [(2, 50, 0), (0, 100, 1)], [(1, 200, 1), (2, 70, 1)], [(0, 10, 3), (1, 20, 0)]]
+    windows = []
+    for window in plan:
+        entries = []
+        for island, tokens, base in window:
+            delta = rng.normal(size=50).astype(np.float32)
+            ticket = syncer.contribute(island, 0, base, tokens, delta)
+            entries.append((delta, tokens, base))
+        assert ticket.done.is_set()
+        windows.append(entries)
+    expected = nesterov_reference(theta0, windows, lr=0.7, mu=0.9)
+    assert syncer.versions == [4]
+    np.testing.assert_allclose(syncer.theta[0], expected, rtol=1e-5, atol=1e-6)
+    assert [r.staleness for r in syncer.merges] == [(0, 0), (1, 0), (1, 1), (0, 3)]
+    assert syncer.tokens_merged == pytest.approx(sum(n for w in plan for _, n, _ in w))
+
+
+def test_windows_close_at_the_quorum_or_after_the_grace_window():
+    clock = FakeClock()
+    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=3, grace_s=2.0,
+                    clock=clock)
+    for k in range(3):
+        syncer.join(k)
+    one = np.ones(4, np.float32)
+    a = syncer.contribute(0, 0, 0, 10, one)
+    b = syncer.contribute(1, 0, 0, 10, one)
+    clock.now = 1.9
+    syncer.poll()
+    assert not a.done.is_set()  # island 2 is still awaited
+    clock.now = 2.0
+    syncer.poll()
+    assert a.done.is_set() and b.done.is_set() and syncer.merges[-1].by_grace
+    assert syncer.present == {0, 1}  # island 2 missed it: the next windows do not wait for it
+    c = syncer.contribute(0, 0, 1, 10, one)
+    assert not c.done.is_set()
+    syncer.contribute(1, 0, 1, 10, one)
+    assert c.done.is_set() and not syncer.merges[-1].by_grace
+    # Island 2 reports late (stale by 2): it counts again, and a window now waits for all three.
+    late = syncer.contribute(2, 0, 0, 10, one)
+    assert syncer.present == {0, 1, 2} and not late.done.is_set()
+    syncer.contribute(0, 0, 2, 10, one)
+    syncer.contribute(1, 0, 2, 10, one)
+    assert late.done.is_set() and syncer.merges[-1].staleness == (2, 0, 0)
+    # Leaving shrinks the quorum at once.
+    d = syncer.contribute(0, 0, 3, 10, one)
+    syncer.leave(1)
+    syncer.leave(2)
+    assert d.done.is_set()
+
+
+def test_adaptive_grace_follows_arrival_lags_and_island_speed():
+    clock = FakeClock()
+    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=2, grace_factor=3.0,
+                    grace_min_s=0.01, grace_max_s=5.0, clock=clock)
+    syncer.join(0)
+    syncer.join(1)
+    assert syncer.grace() == 5.0  # nothing measured yet
+    for version in range(6):
+        syncer.contribute(0, 0, version, 1, np.zeros(4, np.float32), steps_per_s=1000.0)
+        clock.now += 0.1
+        syncer.contribute(1, 0, version, 1, np.zeros(4, np.float32), steps_per_s=1000.0)
+    assert syncer.grace() == pytest.approx(0.3)  # 3 x the 0.1 s median lag
+    syncer.steps_per_s = {0: 2.0, 1: 2.0}
+    assert syncer.grace() == pytest.approx(1.0)  # at least two steps of the median island
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(island=5), "not one of this run's 2 islands"),
+    (dict(fragment=3), "not one of the run's 1 fragments"),
+    (dict(tokens=0), "tokens must be a positive integer"),
+    (dict(base_version=7), "never had"),
+    (dict(delta=np.ones(3, np.float32)), "takes 4 float32 values"),
+    (dict(delta=np.array([1, np.nan, 0, 0], np.float32)), "NaN or Inf"),
+])
+def test_the_merge_refuses_bad_contributions(bad, match):
+    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=2)
+    syncer.join(0)
+    args = dict(island=0, fragment=0, base_version=0, tokens=1, delta=np.zeros(4, np.float32)) | bad
+    with pytest.raises(Refused, match=match):
+        syncer.contribute(**args)
+    assert syncer.versions == [0]
+
+
+def test_too_stale_contributions_are_refused_and_counted():
+    clock = FakeClock()
+    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=1, max_staleness=1,
+                    clock=clock)
+    syncer.join(0)
+    for version in range(3):
+        syncer.contribute(0, 0, version, 1, np.zeros(4, np.float32))
+    with pytest.raises(Refused, match="3 versions old, more than max_staleness 1"):
+        syncer.contribute(0, 0, 0, 8, np.zeros(4, np.float32))
+    assert syncer.tokens_refused == 8
+
+
+# -- over gRPC --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def service():
+    services = []
+
+    def start(fragments, *, restore=None, address="127.0.0.1:0", **kwargs):
+        syncer = Syncer(fragments, outer_optimizer=kwargs.pop("outer_optimizer", optax.sgd(1.0)),
+                        num_islands=kwargs.pop("num_islands", 2), **kwargs)
+        if restore is not None:
+            assert SyncerCheckpoints(restore).restore(syncer) is not None
+        s = SyncerService(syncer, address=address, token=TOKEN).start()
+        services.append(s)
+        return s
+
+    yield start
+    for s in services:
+        s.stop(0)
+
+
+def _model():
+    return Transformer(CONFIG, key=jax.random.key(0))
+
+
+def _inner_step(static):
+    optimizer = optax.sgd(0.1, momentum=0.9)
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        grads = jax.grad(lambda p: loss_fn(eqx.combine(p, static), tokens, None)[0])(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return optimizer, step
+
+
+def test_decoupled_islands_equal_synchronous_streaming_diloco(service):
+    """All islands fresh, equal tokens, quorum of all: each merge is DiLoCo's outer step."""
+    H, P, steps = 4, 2, 12
+    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    core = make_core(num_fragments=P, outer_optimizer=outer)
+    state = core.init(_model())
+    for t in range(steps):
+        state, _ = core.step(state, batch(t))
+    expected = [np.asarray(x) for x in jax.tree.leaves(core.global_model(state))]
+
+    params, static = eqx.partition(_model(), eqx.is_inexact_array)
+    fragmenter = Fragmenter.for_model(params, lambda m: m.blocks, P)
+    s = service(fragment_vectors(params, fragmenter), outer_optimizer=outer, grace_s=30.0)
+    optimizer, step = _inner_step(static)
+    results, errors = {}, []
+
+    def island(k):
+        try:
+            client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
+            isl = Island(_model(), layers=lambda m: m.blocks, num_fragments=P, client=client, island=k)
+            p = eqx.filter(isl.join(_model()), eqx.is_inexact_array)
+            opt_state = optimizer.init(p)
+            for t in range(steps):
+                p, opt_state = step(p, opt_state, batch(t)[k])
+                fragment = schedule.synced_fragment(t + 1, H, P)
+                if fragment is not None:
+                    p = eqx.filter(isl.sync(eqx.combine(p, static), fragment, tokens=64), eqx.is_inexact_array)
+            results[k] = isl
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=island, args=(k,)) for k in range(R)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors, errors
+    assert all(not r.by_grace and len(r.islands) == R for r in s.syncer.merges)
+    got = params
+    for f in range(P):
+        got = install_fragment(got, fragmenter, f, s.syncer.theta[f])
+    for a, b in zip(jax.tree.leaves(got), expected):
+        assert relative(a, b) <= 1e-5
+
+
+def _raw_push(port, message, *, token=TOKEN):
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    call = channel.unary_unary(f"/{SERVICE}/Push", request_serializer=lambda x: x, response_deserializer=lambda x: x)
+    try:
+        call(message if isinstance(message, bytes) else encode(message), metadata=((TOKEN_KEY, token),), timeout=10)
+        return None
+    except grpc.RpcError as e:
+        return e
+    finally:
+        channel.close()
+
+
+def _push(**overrides):
+    return dict(island=0, fragment=0, base_version=0, tokens=4, format="none", data=np.zeros(8, np.float32),
+                scales=None, steps_per_s=None) | overrides
+
+
+@pytest.mark.parametrize("message, token, code, match", [
+    (_push(data=np.zeros(7, np.float32)), TOKEN, "INVALID_ARGUMENT", "payload needs data"),
+    (_push(data=np.zeros(8, np.float64)), TOKEN, "INVALID_ARGUMENT", "payload needs data"),
+    (_push(base_version=3), TOKEN, "FAILED_PRECONDITION", "never had"),
+    (_push(data=np.full(8, np.nan, np.float32)), TOKEN, "INVALID_ARGUMENT", "NaN or Inf"),
+    (_push(data=np.zeros(1 << 17, np.float32)), TOKEN, "RESOURCE_EXHAUSTED", "larger than max"),
+    (_push(), "wrong", "UNAUTHENTICATED", "wrong or missing shared secret"),
+    (_push(tokens=-1), TOKEN, "INVALID_ARGUMENT", "tokens must be a positive integer"),
+    (_push(format="int3"), TOKEN, "INVALID_ARGUMENT", "unknown wire format"),
+    (b"not a payload", TOKEN, "INVALID_ARGUMENT", "not a valid eqx_diloco payload"),
+    ({"island": 0}, TOKEN, "INVALID_ARGUMENT", "malformed request"),
+])
+def test_bad_calls_are_refused_in_one_line_and_the_syncer_keeps_serving(service, message, token, code, match):
+    s = service([np.zeros(8, np.float32)], num_islands=2, grace_s=0.0)
+    client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
+    client.join(0)
+    error = _raw_push(s.port, message, token=token)
+    assert error is not None and error.code().name == code
+    assert match in error.details() and "\n" not in error.details()
+    if code in ("INVALID_ARGUMENT",) and isinstance(message, dict) and message.get("island") == 0:
+        assert 0 not in client.status()["present"]  # the island is dropped from quorums
+    # The syncer still serves: island 1 joins and merges on its own (island 0 was dropped or is absent).
+    client.join(1)
+    island = Island(np.zeros(8, np.float32), layers=None, client=client, island=1)
+    island.versions, island.base = [0], [np.zeros(8, np.float32)]
+    island.sync(np.ones(8, np.float32), 0, tokens=4)
+    assert client.status()["merges"] == 1
+    client.close()
+
+
+def test_a_restarted_syncer_resumes_and_islands_ahead_of_it_rejoin(service, tmp_path):
+    s = service([np.zeros(8, np.float32)], num_islands=1, grace_s=0.0)
+    checkpoints = SyncerCheckpoints(tmp_path / "ckpt")
+    client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN, retry_s=30)
+    island = Island(np.zeros(8, np.float32), layers=None, client=client, island=0, quantize="int8",
+                    error_feedback=True)
+    x = island.join(np.zeros(8, np.float32))
+    x = island.sync(x - 1.0, 0, tokens=4)
+    checkpoints.save_now(s.syncer)  # version 1 on disk
+    x = island.sync(x - 1.0, 0, tokens=4)  # version 2 lost with the syncer
+    assert island.versions == [2]
+    port = s.port
+    s.stop(0)
+    restarted = {}
+
+    def restart():
+        time.sleep(0.5)  # the island's next push finds nobody listening and retries meanwhile
+        restarted["service"] = service([np.zeros(8, np.float32)], num_islands=1, grace_s=0.0,
+                                       address=f"127.0.0.1:{port}", restore=tmp_path / "ckpt")
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    x = island.sync(x - 1.0, 0, tokens=4)  # refused as ahead of the syncer: the island joins again
+    thread.join()
+    assert island.lost_rounds == 1 and island.versions == [1]
+    np.testing.assert_allclose(x, np.full(8, -1.0, np.float32))  # theta_g of version 1: one step of -1
+    x = island.sync(x - 1.0, 0, tokens=4)
+    assert island.versions == [2] and restarted["service"].syncer.tokens_merged == pytest.approx(8)
+    client.close()
+
+
+def test_an_unreachable_syncer_is_reported_in_one_line():
+    client = SyncerClient("127.0.0.1:1", token=TOKEN, retry_s=0.3)
+    with pytest.raises(SyncerUnreachable, match="did not answer for 0 s"):
+        client.join(0)
+
+
+def test_the_island_refuses_a_syncer_of_another_model(service):
+    s = service([np.zeros(5, np.float32)], num_islands=1)
+    client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
+    with pytest.raises(ConfigError, match="serves another model"):
+        Island(np.zeros(8, np.float32), layers=None, client=client, island=0).join(np.zeros(8, np.float32))
+    with pytest.raises(SyncRefused, match="not one of this run's 1 islands"):
+        client.join(3)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(algorithm="ddp"), "--decoupled.role needs --algorithm diloco"),
+    (dict(mesh={"data": 2}), "--decoupled.role runs one device per island"),
+    (dict(diloco={"overlap_steps": 1, "sync_period": 4}), "--diloco.overlap-steps must be 0 with --decoupled.role"),
+    (dict(decoupled={"island": 2}), r"--decoupled.island must be in \[0, 2\)"),
+    (dict(decoupled={"min_quorum": 3}), r"--decoupled.min-quorum must be in \[1, 2\]"),
+    (dict(decoupled={"grace_s": -1.0}), "--decoupled.grace-s must be >= 0"),
+    (dict(decoupled={"grace_min_s": 2.0, "grace_max_s": 1.0}), "--decoupled.grace-min-s must be in"),
+    (dict(decoupled={"max_staleness": -1}), "--decoupled.max-staleness must be >= 0"),
+    (dict(decoupled={"syncer": "localhost"}), "--decoupled.syncer must be HOST:PORT"),
+])
+def test_bad_decoupled_flags_are_refused_in_one_line(make_config, overrides, match):
+    import dataclasses
+
+    decoupled = dataclasses.replace(DecoupledConfig(role="island"), **overrides.pop("decoupled", {}))
+    config = dataclasses.replace(make_config(**overrides), decoupled=decoupled)
+    with pytest.raises(ConfigError, match=match):
+        validate(config)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--num-processes", "2", "--", "--diloco.num-replicas", "3"], "--diloco.num-replicas must equal --num-processes 2"),
+    (["--num-processes", "2", "--", "--elastic.enabled"], "--decoupled and --elastic.enabled exclude each other"),
+    (["--num-processes", "2", "--", "--decoupled.island", "1"], "--decoupled.island is set by the launcher"),
+    (["--num-processes", "2", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
+])
+def test_bad_decoupled_launcher_flags_are_refused_in_one_line(capsys, argv, match):
+    assert launch_main(["--decoupled", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1
