@@ -188,11 +188,14 @@ def _inner_step(static):
     return optimizer, step
 
 
-def test_decoupled_islands_equal_synchronous_streaming_diloco(service):
-    """All islands fresh, equal tokens, quorum of all: each merge is DiLoCo's outer step."""
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_decoupled_islands_equal_synchronous_streaming_diloco(service, quantize):
+    """All islands fresh, equal tokens, quorum of all: each merge is DiLoCo's outer step (int4: with error
+    feedback, the fragment's values as one vector, as DiLoCo sends them)."""
     H, P, steps = 4, 2, 12
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    core = make_core(num_fragments=P, outer_optimizer=outer)
+    quantized = dict(quantize="int4", error_feedback=True, exchange="gather") if quantize != "none" else {}
+    core = make_core(num_fragments=P, outer_optimizer=outer, **quantized)
     state = core.init(_model())
     for t in range(steps):
         state, _ = core.step(state, batch(t))
@@ -207,7 +210,8 @@ def test_decoupled_islands_equal_synchronous_streaming_diloco(service):
     def island(k):
         try:
             client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
-            isl = Island(_model(), layers=lambda m: m.blocks, num_fragments=P, client=client, island=k)
+            isl = Island(_model(), layers=lambda m: m.blocks, num_fragments=P, client=client, island=k,
+                         quantize=quantize, error_feedback=quantize != "none")
             p = eqx.filter(isl.join(_model()), eqx.is_inexact_array)
             opt_state = optimizer.init(p)
             for t in range(steps):
@@ -251,6 +255,7 @@ def _push(**overrides):
 @pytest.mark.parametrize("message, token, code, match", [
     (_push(data=np.zeros(7, np.float32)), TOKEN, "INVALID_ARGUMENT", "payload needs data"),
     (_push(data=np.zeros(8, np.float64)), TOKEN, "INVALID_ARGUMENT", "payload needs data"),
+    (_push(scales=np.zeros(1, np.float32)), TOKEN, "INVALID_ARGUMENT", "payload needs scales"),
     (_push(base_version=3), TOKEN, "FAILED_PRECONDITION", "never had"),
     (_push(data=np.full(8, np.nan, np.float32)), TOKEN, "INVALID_ARGUMENT", "NaN or Inf"),
     (_push(data=np.zeros(1 << 17, np.float32)), TOKEN, "RESOURCE_EXHAUSTED", "larger than max"),
@@ -354,3 +359,72 @@ def test_bad_decoupled_launcher_flags_are_refused_in_one_line(capsys, argv, matc
     assert launch_main(["--decoupled", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1
+
+
+def _lines(path):
+    import json
+
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return out
+
+
+def _wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    run, steps = tmp_path / "run", 400
+    flags = ["--run-dir", str(run), "--data.source", "synthetic", "--model.num-layers", "2", "--model.dim", "32",
+             "--model.num-heads", "2", "--train.batch-size", "4", "--train.seq-len", "16", "--train.steps", str(steps),
+             "--train.eval-every", "100", "--diloco.sync-period", "10", "--diloco.num-fragments", "2",
+             "--diloco.quantize", "int4", "--diloco.error-feedback"]
+    env = dict(os.environ, EQX_DILOCO_SLOW_ISLANDS="0:4,1:4,2:4")  # slow enough to kill mid-run
+    proc = subprocess.Popen([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "3",
+                             "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--", *flags], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def step_of(k):
+            return max((r["step"] for r in _lines(run / f"island-{k}" / "metrics.jsonl") if "loss" in r), default=0)
+
+        _wait_for(lambda: step_of(1) >= 60, 120, "island 1 at step 60")
+        os.kill(int((run / "island-1" / "pid").read_text()), signal.SIGKILL)
+        _wait_for(lambda: len(_lines(run / "syncer" / "metrics.jsonl")) >= 20
+                  and any((run / "syncer" / "checkpoints").glob("[0-9]*")), 120, "20 merges and a syncer checkpoint")
+        os.kill(json.loads((run / "syncer" / "address.json").read_text())["pid"], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "island 1 exited with -9; restart 1 of 1" in output and "syncer exited with -9; restart 1 of 1" in output
+    for k in range(3):
+        records = _lines(run / f"island-{k}" / "metrics.jsonl")
+        assert max(r["step"] for r in records if "loss" in r) == steps
+    joins = [r for r in _lines(run / "island-1" / "metrics.jsonl") if r.get("joined")]
+    assert len(joins) == 2 and joins[1]["step"] > 0  # it rejoined where its newest sync left it
+    assert json.loads((run / "syncer" / "address.json").read_text())["restored"] is not None
+    summary = json.loads((run / "syncer" / "summary.json").read_text())
+    computed = 4 * 16 * sum(1 for k in range(3) for r in _lines(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
+    assert 0.5 * computed < summary["tokens_merged"] < computed  # the kills lost some work, not most of it
+    evals = [r["eval_loss"] for r in _lines(run / "metrics.jsonl")]
+    assert evals[-1] < 0.7 * evals[0]

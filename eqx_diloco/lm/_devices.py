@@ -208,3 +208,22 @@ def fail_for_test(step: int) -> None:
     spec = os.environ.get(TEST_FAIL_ENV)
     if spec and spec == f"{jax.process_index()}:{step}":
         raise RuntimeError(f"${TEST_FAIL_ENV}={spec}: process {jax.process_index()} fails at step {step} (test hook)")
+
+
+SLOW_ISLANDS_ENV = "EQX_DILOCO_SLOW_ISLANDS"
+
+
+def slowdown_s(islands: tuple[int, ...]) -> float:
+    """Benchmark only: seconds the process holding `islands` sleeps after each step, from
+    `$EQX_DILOCO_SLOW_ISLANDS` (`K:SECONDS,...`: island K sleeps SECONDS per step once the step is
+    computed), to emulate an island on slower hardware. 0 when unset."""
+    spec = os.environ.get(SLOW_ISLANDS_ENV, "")
+    extra = 0.0
+    for item in filter(None, spec.split(",")):
+        island, _, seconds = item.partition(":")
+        try:
+            if int(island) in islands:
+                extra = max(extra, float(seconds))
+        except ValueError:
+            raise ValueError(f"${SLOW_ISLANDS_ENV} must be K:SECONDS,... (got {spec!r})") from None
+    return extra

@@ -69,7 +69,8 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
         flags = [*flags, "--decoupled.syncer", address]
     if flag_value(flags, "--diloco.num-replicas") is None:
         flags = [*flags, "--diloco.num-replicas", str(num_islands)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_T0_ENV: repr(time.time())})
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault(RUN_T0_ENV, repr(time.time()))  # the islands' and the syncer's common clock
     env.setdefault(TOKEN_ENV, secrets.token_hex(16))
     syncer = _Role("syncer", [*flags, "--decoupled.role", "syncer"], log_dir / "syncer.log", env, max_restarts)
     islands = [_Role(f"island {k}", [*flags, "--decoupled.role", "island", "--decoupled.island", str(k)],

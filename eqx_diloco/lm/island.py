@@ -25,14 +25,13 @@ from models import Transformer
 from .._island import Island, adaptive_sync_period
 from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
 from ._core import lm_objective
+from ._devices import slowdown_s
 from .config import Config, ConfigError
 from .data import TokenBatches, load_tokens
 from .metrics import MetricsLog
 from .optimizers import inner_optimizer
 
 RUN_T0_ENV = "EQX_DILOCO_RUN_T0"
-# Benchmark-only: `K:F,...` slows island K by F (it sleeps F - 1 times its compute time after each step).
-SLOWDOWN_ENV = "EQX_DILOCO_SLOW_ISLANDS"
 
 
 class IslandError(RuntimeError):
@@ -45,15 +44,6 @@ def shared_token(config: Config) -> str:
         raise ConfigError(f"--decoupled.token is not set and ${TOKEN_ENV} is empty: the syncer refuses calls "
                           "without the shared secret")
     return token
-
-
-def slowdown(island: int) -> float:
-    """This island's benchmark slowdown factor from `$EQX_DILOCO_SLOW_ISLANDS` (1: none)."""
-    for item in filter(None, os.environ.get(SLOWDOWN_ENV, "").split(",")):
-        k, _, factor = item.partition(":")
-        if k.strip() == str(island):
-            return max(1.0, float(factor))
-    return 1.0
 
 
 def initial_model(config: Config) -> Transformer:
@@ -106,7 +96,7 @@ def run_island(config: Config) -> int:
                     fragment_pattern=d.fragment_pattern, client=client, island=k, quantize=d.quantize,
                     error_feedback=d.error_feedback)
     step_fn = _make_step(static, optimizer, config.model.dropout)
-    factor = slowdown(k)
+    extra_s = slowdown_s((k,))  # benchmark only
     tokens_per_step = t.batch_size * t.seq_len
     try:
         params = island.join(params)
@@ -124,9 +114,8 @@ def run_island(config: Config) -> int:
             batch = jax.numpy.asarray(batches.batch(step)[0])
             params, opt_state, loss = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
             loss = float(loss)
-            spent = time.perf_counter() - began
-            if factor > 1:
-                time.sleep((factor - 1) * spent)
+            if extra_s:
+                time.sleep(extra_s)
             took = time.perf_counter() - began
             seconds_per_step = took if seconds_per_step is None else 0.9 * seconds_per_step + 0.1 * took
             log.write({"step": step + 1, "time": time.time() - t0, "loss": loss, "tokens": tokens_per_step})
