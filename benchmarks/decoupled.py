@@ -1,0 +1,395 @@
+"""Decoupled islands against synchronous DiLoCo: equal speeds, a slow island, and islands killed at random.
+
+Every run is `python -m eqx_diloco.launch --num-processes 4 ...` on this machine, 4 islands of one
+replica each, as separate processes:
+
+- `decoupled`: `--decoupled` (a syncer and 4 independent islands; `--decoupled.adaptive-h` in the slow
+  scenario);
+- `sync`: the synchronous multi-process run (`--diloco.num-replicas 4`), one JAX world;
+- `elastic`: the synchronous run with `--elastic.enabled` (the failures scenario: a lost island
+  re-forms the run with the others, then rejoins).
+
+Scenarios:
+
+1. **equal**: no failures, equal speeds, seeds 0..S-1: final eval loss of the global model (every
+   island's tokens merged: equal tokens) and wall time.
+2. **slow**: island 3 sleeps one median step time after each step (`$EQX_DILOCO_SLOW_ISLANDS`, a
+   benchmark-only knob both trainers read; the median step is measured in the equal scenario's first
+   decoupled run), so it runs at half speed. Wall time from the launch to the first evaluation of the
+   global model at or below the target loss: 1.05 x the mean final eval loss of the equal scenario's
+   synchronous runs (within 5% of the fully trained model, fixed before any slow run).
+3. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
+   mean `KILL_EVERY_S` seconds from the first step, at most `MAX_KILLS`, a kill only once every island
+   killed before has come back), `--max-restarts` enough for all. Reported per mode:
+   - goodput, time-based: tokens merged into theta_g per second of the run's training (first step to
+     exit) over the same in the mode's failure-free run of that seed: the share of the failure-free
+     throughput that still reached the global model;
+   - goodput, token-based: tokens merged into theta_g over tokens computed (every inner step any
+     island ran, including steps a kill threw away). For `elastic` the computed tokens are the
+     final run's steps plus each loss's `lost_steps` times the islands that lost them;
+   - the survivors' longest step gap around each kill, over their median step time: `decoupled`, from
+     the islands' own step lines (every survivor, from the kill to the next kill or 20 s after);
+     `elastic`, the run's stall at the loss and at the rejoin (its `stalled_s` events);
+   - wall time and final eval loss.
+
+Pinned: 4 islands, 2 layers of width 64, 2 heads, 8 sequences of 128 tokens per island step, the embedded
+corpus (first 1 MB, contiguous shares), `--diloco.sync-period 10`, int4 outer gradients with error
+feedback, the CLI's default inner AdamW and outer optimizer, 16 evaluation sequences every 25 steps of
+every island, no Orbax checkpoints in the trainer (the elastic mode uses its island snapshots; the syncer
+checkpoints), JAX's compilation cache in a folder of this benchmark shared by all runs; the decoupled
+grace window adaptive (the CLI defaults). Modes (`--quick` default: 3 seeds of equal and slow, one
+failures run per mode, 300 steps; `--full`: 3 failure seeds; `--smoke`: 1 seed, equal only, 30 steps).
+
+Output: `decoupled.json` and `decoupled.md` in `--out-dir` (default runs/benchmarks/decoupled_<mode>;
+committed results only with `--out-dir benchmarks/results`). Run `python -m benchmarks.decoupled --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import _common as common
+
+ISLANDS = 4
+TOKENS_PER_STEP = 8 * 128
+KILL_EVERY_S = 12.0
+MAX_KILLS = 3
+TARGET_FACTOR = 1.05
+FLAGS = ["--model.num-layers", "2", "--model.dim", "64", "--model.num-heads", "2", "--train.batch-size", "8",
+         "--train.seq-len", "128", "--data.source", "corpus", "--data.max-corpus-bytes", "1000000",
+         "--diloco.sync-period", "10", "--diloco.quantize", "int4", "--diloco.error-feedback",
+         "--train.eval-every", "25", "--train.eval-sequences", "16", "--checkpoint.every", "0", "--train.log-every", "1"]
+MODES = {"smoke": dict(steps=30, seeds=1, failure_seeds=0, slow=False),
+         "quick": dict(steps=300, seeds=3, failure_seeds=1, slow=True),
+         "full": dict(steps=300, seeds=3, failure_seeds=3, slow=True)}
+
+
+def _lines(path: pathlib.Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Run:
+    """One launcher run, observed every 20 ms: evaluations as they appear, the first step, kills."""
+
+    def __init__(self, kind: str, seed: int, steps: int, work: pathlib.Path, cache: pathlib.Path, *,
+                 slow_s: float = 0.0, kills: list[float] | None = None, kill_seed: int = 0):
+        self.kind, self.seed = kind, seed
+        self.run_dir = work / f"{kind}_seed{seed}_{'kills' if kills else 'slow' if slow_s else 'equal'}"
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        launcher = ["--num-processes", str(ISLANDS), "--grace-s", "20", "--log-dir", str(self.run_dir) + "_logs"]
+        trainer = ["--run-dir", str(self.run_dir), *FLAGS, "--train.steps", str(steps), "--train.seed", str(seed)]
+        if kind == "decoupled":
+            launcher = ["--decoupled", *launcher]
+            trainer += ["--decoupled.adaptive-h"] if slow_s else []
+        else:
+            trainer += ["--diloco.num-replicas", str(ISLANDS)]
+        if kind == "elastic":
+            launcher += ["--max-restarts", str(MAX_KILLS), "--rejoin-after-s", "1", "--drain-s", "3"]
+            trainer += ["--elastic.enabled", "--elastic.min-replicas", "2"]
+        elif kills:
+            launcher += ["--max-restarts", str(MAX_KILLS)]
+        self.cmd = [sys.executable, "-m", "eqx_diloco.launch", *launcher, "--", *trainer]
+        self.env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
+        self.env.pop("EQX_DILOCO_SLOW_ISLANDS", None)
+        if slow_s:
+            self.env["EQX_DILOCO_SLOW_ISLANDS"] = f"{ISLANDS - 1}:{slow_s:.4f}"
+        self.kill_plan, self.kill_rng = list(kills or []), random.Random(kill_seed)
+        self.kills: list[dict] = []
+        self.evals: list[dict] = []
+
+    def _pid(self, island: int) -> int | None:
+        try:
+            if self.kind == "decoupled":
+                return int((self.run_dir / f"island-{island}" / "pid").read_text())
+            return json.loads((self.run_dir / "elastic" / f"island-{island}" / "progress.json").read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _first_step_seen(self) -> bool:
+        if self.kind == "decoupled":
+            return any("loss" in r for r in _lines(self.run_dir / "island-0" / "metrics.jsonl"))
+        return any("loss" in r for r in _lines(self.run_dir / "metrics.jsonl"))
+
+    def _eval_lines(self) -> list[dict]:
+        return [r for r in _lines(self.run_dir / "metrics.jsonl") if "eval_loss" in r]
+
+    def go(self, timeout_s: float) -> dict:
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.time()
+        self.env["EQX_DILOCO_RUN_T0"] = repr(self.t0)
+        out = open(str(self.run_dir) + ".out", "w")
+        proc = subprocess.Popen(self.cmd, cwd=common.REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        first_step = None
+        waiting_for: tuple[int, int | None] | None = None  # (island, its killed pid) until it is back
+        seen = 0
+        try:
+            while proc.poll() is None:
+                now = time.time() - self.t0
+                if now > timeout_s:
+                    raise RuntimeError(f"{self.run_dir.name} did not finish within {timeout_s:.0f} s")
+                lines = self._eval_lines()
+                for r in lines[seen:]:
+                    self.evals.append({"wall_s": now, "eval_loss": r["eval_loss"], "step": r["step"]})
+                seen = len(lines)
+                if first_step is None and self._first_step_seen():
+                    first_step = now
+                if first_step is not None and self.kill_plan:
+                    if waiting_for is not None:
+                        pid = self._pid(waiting_for[0])
+                        if pid is not None and pid != waiting_for[1] and _alive(pid):
+                            waiting_for = None
+                    if waiting_for is None and now - first_step >= self.kill_plan[0]:
+                        island = self.kill_rng.randrange(ISLANDS)
+                        pid = self._pid(island)
+                        if pid is not None and _alive(pid):
+                            os.kill(pid, signal.SIGKILL)
+                            self.kills.append({"island": island, "wall_s": time.time() - self.t0,
+                                               "since_first_step_s": now - first_step})
+                            self.kill_plan.pop(0)
+                            waiting_for = (island, pid)
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            out.close()
+        wall = time.time() - self.t0
+        lines = self._eval_lines()
+        for r in lines[seen:]:
+            self.evals.append({"wall_s": wall, "eval_loss": r["eval_loss"], "step": r["step"]})
+        if proc.returncode != 0:
+            raise RuntimeError(f"{self.run_dir.name} exited with {proc.returncode}: "
+                               + pathlib.Path(str(self.run_dir) + ".out").read_text()[-2000:])
+        return {"kind": self.kind, "seed": self.seed, "wall_s": wall, "first_step_s": first_step,
+                "final_eval_loss": self.evals[-1]["eval_loss"], "evals": self.evals, "kills": self.kills,
+                **self._accounting()}
+
+    def _accounting(self) -> dict:
+        if self.kind == "decoupled":
+            summary = json.loads((self.run_dir / "syncer" / "summary.json").read_text())
+            steps = {k: [r for r in _lines(self.run_dir / f"island-{k}" / "metrics.jsonl") if "loss" in r]
+                     for k in range(ISLANDS)}
+            computed = TOKENS_PER_STEP * sum(len(v) for v in steps.values())
+            return {"tokens_merged": summary["tokens_merged"], "tokens_computed": computed,
+                    "step_times": {k: [r["time"] for r in v] for k, v in steps.items()},
+                    "merges_by_grace": summary["merges_by_grace"], "merges": summary["merges"]}
+        records = _lines(self.run_dir / "metrics.jsonl")
+        merged = TOKENS_PER_STEP * sum(len(r["replica_losses"]) for r in records if "replica_losses" in r)
+        lost = [r for r in records if r.get("event") == "island_lost"]
+        computed = merged + TOKENS_PER_STEP * sum(r["lost_steps"] * (r["live_replicas"] + 1) for r in lost)
+        stalls = [r["stalled_s"] for r in records if r.get("event") in ("island_lost", "island_rejoined")]
+        step_times = [r["time"] for r in records if "replica_losses" in r]
+        return {"tokens_merged": merged, "tokens_computed": computed, "stalls_s": stalls,
+                "median_step_s": statistics.median(b - a for a, b in zip(step_times, step_times[1:])
+                                                   if b > a) if len(step_times) > 2 else None}
+
+
+def median_step_s(run: dict) -> float:
+    """Median gap between consecutive step lines of the decoupled islands."""
+    gaps = [b - a for times in run["step_times"].values() for a, b in zip(times, times[1:])]
+    return statistics.median(gaps)
+
+
+def kill_gaps(run: dict, horizon_s: float = 20.0) -> list[float]:
+    """Per kill, the survivors' longest gap between step lines from the kill to the next kill (or horizon)."""
+    out = []  # the islands' `time` and the kills' `wall_s` share one origin ($EQX_DILOCO_RUN_T0)
+    kills = run["kills"]
+    for i, kill in enumerate(kills):
+        start = kill["wall_s"]
+        end = min(start + horizon_s, kills[i + 1]["wall_s"] if i + 1 < len(kills) else float("inf"))
+        longest = 0.0
+        for island, times in run["step_times"].items():
+            if island == kill["island"]:
+                continue
+            before = [t for t in times if t <= start][-1:]
+            inside = [t for t in times if start < t <= end]
+            series = before + inside
+            longest = max([longest] + [b - a for a, b in zip(series, series[1:])])
+        out.append(longest)
+    return out
+
+
+def time_to_target(run: dict, target: float) -> float | None:
+    return next((e["wall_s"] for e in run["evals"] if e["eval_loss"] <= target), None)
+
+
+def kill_schedule(seed: int) -> list[float]:
+    rng = random.Random(1000 + seed)
+    times, t = [], 0.0
+    for _ in range(MAX_KILLS):
+        t += rng.expovariate(1.0 / KILL_EVERY_S)
+        times.append(t)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decoupled", description=__doc__.splitlines()[0])
+    common.add_mode_flags(parser)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=None)
+    parser.add_argument("--work-dir", type=pathlib.Path, default=None, help="run folders (default: temporary)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    args = parser.parse_args(argv)
+    mode = args.mode or "quick"
+    pinned = MODES[mode]
+    out_dir = args.out_dir or common.default_out_dir("decoupled", mode)
+    work = args.work_dir or pathlib.Path(tempfile.mkdtemp(prefix="eqx_diloco_decoupled_bench_"))
+    cache = work / "jax_cache"
+    steps = pinned["steps"]
+
+    def run(kind, seed, **kw):
+        print(f"decoupled benchmark: {kind} seed {seed} {', '.join(f'{k}={v}' for k, v in kw.items()) or 'equal'}",
+              flush=True)
+        result = Run(kind, seed, steps, work, cache, **kw).go(args.timeout)
+        if kind == "decoupled":
+            result["median_step_s"] = median_step_s(result)
+            result["longest_gap_s"] = max(b - a for times in result["step_times"].values()
+                                          for a, b in zip(times, times[1:]))
+        print(f"  wall {result['wall_s']:.1f} s, final eval loss {result['final_eval_loss']:.4f}", flush=True)
+        return result
+
+    # Warm the compilation cache once per kind, so no measured run pays for compiling.
+    if mode != "smoke":
+        for kind in ("decoupled", "sync"):
+            Run(kind, 99, 20, work, cache).go(args.timeout)
+    equal = {kind: [run(kind, s) for s in range(pinned["seeds"])] for kind in ("decoupled", "sync")}
+    result = {"mode": mode, "steps": steps, "islands": ISLANDS, "flags": FLAGS, "machine": common.machine_info(),
+              "revision": common.revision(), "equal": equal}
+    sync_final = statistics.fmean(r["final_eval_loss"] for r in equal["sync"])
+    result["median_step_s"] = median_step_s(equal["decoupled"][0])
+
+    def save() -> None:  # after each scenario: a run that fails later keeps what was measured
+        out_dir.mkdir(parents=True, exist_ok=True)
+        slim = json.loads(json.dumps(common.jsonable(result)))
+        for scenario in ("equal", "slow", "failures"):
+            for runs in slim.get(scenario, {}).values():
+                for r in runs:
+                    r.pop("step_times", None)
+        common.write_json(out_dir / "decoupled.json", slim)
+        common.write_text(out_dir / "decoupled.md", report(slim))
+
+    save()
+    if pinned["slow"]:
+        slow_s = result["median_step_s"]
+        result["target_eval_loss"] = target = TARGET_FACTOR * sync_final
+        result["slow"] = {kind: [run(kind, s, slow_s=slow_s) for s in range(pinned["seeds"])]
+                          for kind in ("decoupled", "sync")}
+        for runs in result["slow"].values():
+            for r in runs:
+                r["time_to_target_s"] = time_to_target(r, target)
+        save()
+    if pinned["failure_seeds"]:
+        result["failures"] = {}
+        for kind in ("decoupled", "elastic"):
+            runs = []
+            for s in range(pinned["failure_seeds"]):
+                r = run(kind, s, kills=kill_schedule(s), kill_seed=s)
+                reference = equal["decoupled" if kind == "decoupled" else "sync"][s]
+                rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
+                base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
+                r["goodput_time"] = rate / base
+                r["goodput_tokens"] = r["tokens_merged"] / r["tokens_computed"]
+                if kind == "decoupled":
+                    r["kill_gaps_s"] = kill_gaps(r)
+                runs.append(r)
+            result["failures"][kind] = runs
+    save()
+    print(report(result))
+    if args.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    return common.markdown_table([dict(zip(headers, row)) for row in rows], [(h, h, None) for h in headers])
+
+
+def report(result: dict) -> str:
+    ms = common.mean_sd
+    equal = result["equal"]
+    lines = [f"# Decoupled islands vs synchronous DiLoCo ({result['mode']}: {result['islands']} islands, "
+             f"{result['steps']} steps each)", "",
+             f"Command: `python -m benchmarks.decoupled --{result['mode']}`; trainer flags `{' '.join(result['flags'])}`.",
+             "", "## Equal speeds, no failures", ""]
+    rows = []
+    for kind, runs in equal.items():
+        rows.append([kind, str(len(runs)), common.fmt_pm(ms(r["final_eval_loss"] for r in runs), ".4f"),
+                     common.fmt_pm(ms(r["wall_s"] for r in runs), ".1f", " s")])
+    lines += [_table(["mode", "seeds", "final eval loss", "wall time"], rows), ""]
+    gap = common.paired_gap({r["seed"]: r["final_eval_loss"] for r in equal["decoupled"]},
+                            {r["seed"]: r["final_eval_loss"] for r in equal["sync"]})
+    lines += [f"Decoupled vs synchronous final eval loss, paired by seed: {common.fmt_pm(gap, '+.2f', '%')} "
+              f"(target: within 2%). Median island step: {result['median_step_s'] * 1000:.1f} ms.", ""]
+    if "slow" in result:
+        lines += ["## Island 3 at half speed", "",
+                  f"Island 3 sleeps {result['median_step_s'] * 1000:.1f} ms after each step; target eval loss "
+                  f"{result['target_eval_loss']:.4f} (1.05 x the synchronous runs' final loss above).", ""]
+        rows = []
+        for kind, runs in result["slow"].items():
+            reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
+            rows.append([kind, str(len(runs)), f"{len(reached)} / {len(runs)}", common.fmt_pm(ms(reached), ".1f", " s"),
+                         common.fmt_pm(ms(r["final_eval_loss"] for r in runs), ".4f"),
+                         common.fmt_pm(ms(r["wall_s"] for r in runs), ".1f", " s")])
+        lines += [_table(["mode", "seeds", "reached target", "wall time to target", "final eval loss",
+                                         "wall time"], rows), ""]
+    if "failures" in result:
+        lines += ["## Islands killed at random", "",
+                  f"Kills: exponential gaps of mean {KILL_EVERY_S:g} s from the first step, at most {MAX_KILLS}, a "
+                  "random island each (seeded); each killed island is restarted.", ""]
+        rows = []
+        for kind, runs in result["failures"].items():
+            for r in runs:
+                if kind == "decoupled":
+                    gaps = ", ".join(f"{g:.2f}" for g in r["kill_gaps_s"])
+                    calm = result["equal"]["decoupled"][r["seed"]]["longest_gap_s"]
+                    worst = f"{max(r['kill_gaps_s'], default=0) / r['median_step_s']:.1f}x ({gaps} s; median step " \
+                            f"{r['median_step_s'] * 1000:.0f} ms; longest gap without kills {calm:.2f} s)"
+                else:
+                    worst = (f"{max(r['stalls_s'], default=0) / r['median_step_s']:.0f}x (stalls "
+                             + ", ".join(f"{g:.1f}" for g in r["stalls_s"]) + f" s; median step "
+                             f"{r['median_step_s'] * 1000:.0f} ms)") if r["median_step_s"] else "-"
+                rows.append([kind, str(r["seed"]), str(len(r["kills"])), f"{r['goodput_time']:.2f}",
+                             f"{r['goodput_tokens']:.3f}", worst, f"{r['wall_s']:.1f} s", f"{r['final_eval_loss']:.4f}"])
+        lines += [_table(["mode", "seed", "kills", "goodput (time)", "goodput (tokens)",
+                                         "survivors' longest gap / median step", "wall time", "final eval loss"],
+                                        rows), ""]
+    m = result["machine"]
+    lines += [f"{m['cpu_count']} CPUs, {m['platform']}, Python {m['python']}, JAX {m['jax']}; code revision "
+              f"{result['revision']}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
