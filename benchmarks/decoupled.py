@@ -20,15 +20,17 @@ Scenarios:
    synchronous runs (within 5% of the fully trained model, fixed before any slow run).
 3. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
    mean `KILL_EVERY_S` seconds from the first step, at most `MAX_KILLS`, a kill only once every island
-   killed before has come back), `--max-restarts` enough for all. Reported per mode:
+   killed before has come back), `--max-restarts` enough for all, in runs of twice the steps (so
+   the kills fall inside training). Reported per mode:
    - goodput, time-based: tokens merged into theta_g per second of the run's training (first step to
-     exit) over the same in the mode's failure-free run of that seed: the share of the failure-free
-     throughput that still reached the global model;
+     exit) over the same in the mode's failure-free run of that seed and length: the share of the
+     failure-free throughput that still reached the global model;
    - goodput, token-based: tokens merged into theta_g over tokens computed (every inner step any
      island ran, including steps a kill threw away). For `elastic` the computed tokens are the
      final run's steps plus each loss's `lost_steps` times the islands that lost them;
    - the survivors' longest step gap around each kill, over their median step time: `decoupled`, from
-     the islands' own step lines (every survivor, from the kill to the next kill or 20 s after);
+     the islands' own step lines (every island training at the kill, from its last step line before
+     the kill to the next kill or 20 s after), beside the longest gap of the failure-free run;
      `elastic`, the run's stall at the loss and at the rejoin (its `stalled_s` events);
    - wall time and final eval loss.
 
@@ -63,16 +65,16 @@ from benchmarks import _common as common
 
 ISLANDS = 4
 TOKENS_PER_STEP = 8 * 128
-KILL_EVERY_S = 12.0
+KILL_EVERY_S = 25.0
 MAX_KILLS = 3
 TARGET_FACTOR = 1.05
 FLAGS = ["--model.num-layers", "2", "--model.dim", "64", "--model.num-heads", "2", "--train.batch-size", "8",
          "--train.seq-len", "128", "--data.source", "corpus", "--data.max-corpus-bytes", "1000000",
          "--diloco.sync-period", "10", "--diloco.quantize", "int4", "--diloco.error-feedback",
          "--train.eval-every", "25", "--train.eval-sequences", "16", "--checkpoint.every", "0", "--train.log-every", "1"]
-MODES = {"smoke": dict(steps=30, seeds=1, failure_seeds=0, slow=False),
-         "quick": dict(steps=300, seeds=3, failure_seeds=1, slow=True),
-         "full": dict(steps=300, seeds=3, failure_seeds=3, slow=True)}
+MODES = {"smoke": dict(steps=30, seeds=1, failure_seeds=0, slow=False, failure_steps=0),
+         "quick": dict(steps=300, seeds=3, failure_seeds=1, slow=True, failure_steps=600),
+         "full": dict(steps=300, seeds=3, failure_seeds=3, slow=True, failure_steps=600)}
 
 
 def _lines(path: pathlib.Path) -> list[dict]:
@@ -106,7 +108,7 @@ class Run:
     def __init__(self, kind: str, seed: int, steps: int, work: pathlib.Path, cache: pathlib.Path, *,
                  slow_s: float = 0.0, kills: list[float] | None = None, kill_seed: int = 0):
         self.kind, self.seed = kind, seed
-        self.run_dir = work / f"{kind}_seed{seed}_{'kills' if kills else 'slow' if slow_s else 'equal'}"
+        self.run_dir = work / f"{kind}_seed{seed}_{steps}_{'kills' if kills else 'slow' if slow_s else 'equal'}"
         shutil.rmtree(self.run_dir, ignore_errors=True)
         launcher = ["--num-processes", str(ISLANDS), "--grace-s", "20", "--log-dir", str(self.run_dir) + "_logs"]
         trainer = ["--run-dir", str(self.run_dir), *FLAGS, "--train.steps", str(steps), "--train.seed", str(seed)]
@@ -232,7 +234,9 @@ def kill_gaps(run: dict, horizon_s: float = 20.0) -> list[float]:
         end = min(start + horizon_s, kills[i + 1]["wall_s"] if i + 1 < len(kills) else float("inf"))
         longest = 0.0
         for island, times in run["step_times"].items():
-            if island == kill["island"]:
+            earlier = [k["wall_s"] for k in kills[:i] if k["island"] == island]
+            down = earlier and not any(earlier[-1] < t <= start for t in times)  # killed before, not back yet
+            if island == kill["island"] or down:
                 continue
             before = [t for t in times if t <= start][-1:]
             inside = [t for t in times if start < t <= end]
@@ -269,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = work / "jax_cache"
     steps = pinned["steps"]
 
-    def run(kind, seed, **kw):
-        print(f"decoupled benchmark: {kind} seed {seed} {', '.join(f'{k}={v}' for k, v in kw.items()) or 'equal'}",
-              flush=True)
+    def run(kind, seed, steps=steps, **kw):
+        print(f"decoupled benchmark: {kind} seed {seed}, {steps} steps, "
+              f"{', '.join(f'{k}={v}' for k, v in kw.items()) or 'equal'}", flush=True)
         result = Run(kind, seed, steps, work, cache, **kw).go(args.timeout)
         if kind == "decoupled":
             result["median_step_s"] = median_step_s(result)
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after each scenario: a run that fails later keeps what was measured
         out_dir.mkdir(parents=True, exist_ok=True)
         slim = json.loads(json.dumps(common.jsonable(result)))
-        for scenario in ("equal", "slow", "failures"):
+        for scenario in ("equal", "slow", "failure_free", "failures"):
             for runs in slim.get(scenario, {}).values():
                 for r in runs:
                     r.pop("step_times", None)
@@ -311,12 +315,17 @@ def main(argv: list[str] | None = None) -> int:
                 r["time_to_target_s"] = time_to_target(r, target)
         save()
     if pinned["failure_seeds"]:
+        long = pinned["failure_steps"]
+        result["failure_steps"] = long
+        result["failure_free"] = {kind: [run(kind, s, steps=long) for s in range(pinned["failure_seeds"])]
+                                  for kind in ("decoupled", "sync")}
+        save()
         result["failures"] = {}
         for kind in ("decoupled", "elastic"):
             runs = []
             for s in range(pinned["failure_seeds"]):
-                r = run(kind, s, kills=kill_schedule(s), kill_seed=s)
-                reference = equal["decoupled" if kind == "decoupled" else "sync"][s]
+                r = run(kind, s, steps=long, kills=kill_schedule(s), kill_seed=s)
+                reference = result["failure_free"]["decoupled" if kind == "decoupled" else "sync"][s]
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
                 r["goodput_time"] = rate / base
@@ -366,14 +375,16 @@ def report(result: dict) -> str:
                                          "wall time"], rows), ""]
     if "failures" in result:
         lines += ["## Islands killed at random", "",
-                  f"Kills: exponential gaps of mean {KILL_EVERY_S:g} s from the first step, at most {MAX_KILLS}, a "
-                  "random island each (seeded); each killed island is restarted.", ""]
+                  f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean {KILL_EVERY_S:g} s from "
+                  f"the first step, at most {MAX_KILLS}, a random island each (seeded); each killed island is "
+                  "restarted. Goodput (time): tokens merged per second of training over the failure-free run's "
+                  "(same seed and steps); goodput (tokens): tokens merged over tokens computed.", ""]
         rows = []
         for kind, runs in result["failures"].items():
             for r in runs:
                 if kind == "decoupled":
                     gaps = ", ".join(f"{g:.2f}" for g in r["kill_gaps_s"])
-                    calm = result["equal"]["decoupled"][r["seed"]]["longest_gap_s"]
+                    calm = result["failure_free"]["decoupled"][r["seed"]]["longest_gap_s"]
                     worst = f"{max(r['kill_gaps_s'], default=0) / r['median_step_s']:.1f}x ({gaps} s; median step " \
                             f"{r['median_step_s'] * 1000:.0f} ms; longest gap without kills {calm:.2f} s)"
                 else:

@@ -20,7 +20,7 @@ _LAZY = {
     "fsdp_specs": "._sharding",
     "TrainState": "._state",
 }
-_SUBMODULES = ("quantize", "schedule")
+_SUBMODULES = ("decoupled", "quantize", "schedule")
 
 
 def __getattr__(name: str):
@@ -39,6 +39,7 @@ __all__ = [
     "IslandSnapshots",
     "NonFiniteError",
     "TrainState",
+    "decoupled",
     "default_outer_optimizer",
     "fsdp_specs",
     "quantize",

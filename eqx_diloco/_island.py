@@ -6,9 +6,11 @@ installed back into its model. The island's inner steps are the user's own progr
     model = island.join(model)                      # theta_g of every fragment
     ...  # inner steps
     model = island.sync(model, fragment=0, tokens=n)  # push, wait for the merge, install
+    # or, never waiting: island.push(model, 0, tokens=n), then model = island.collect(model) every step
 """
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import equinox as eqx
@@ -74,6 +76,8 @@ class Island:
         self.fastest_steps_per_s: float | None = None
         self.lost_rounds = 0  # pushes whose tokens never reached theta_g (refused, or the syncer lost them)
         self._encode = jax.jit(self._encode_impl, static_argnums=1)
+        self._sender = ThreadPoolExecutor(max_workers=num_fragments, thread_name_prefix="island-push")
+        self._pending: dict[int, tuple[Future, np.ndarray]] = {}
 
     @staticmethod
     def _encode_impl(delta: Float32[Array, " n"], fmt: str):
@@ -96,35 +100,72 @@ class Island:
             model = self._install(model, f, theta)
         return model
 
-    def sync(self, model: PyTree, fragment: int, *, tokens: int, steps_per_s: float | None = None) -> PyTree:
-        """Push `fragment`'s outer gradient (made from `tokens` tokens), wait for its merge and return
-        `model` holding the merged fragment. If the syncer asks the island to join again (it restarted,
-        or this contribution was too stale), the round's tokens are lost and the island restarts from
-        the current theta_g of every fragment."""
+    def _vector(self, model: PyTree, fragment: int) -> np.ndarray:
         params = eqx.filter(model, eqx.is_inexact_array)
-        current = np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in self.fragmenter.get(params, fragment)])
+        return np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in self.fragmenter.get(params, fragment)])
+
+    def push(self, model: PyTree, fragment: int, *, tokens: int, steps_per_s: float | None = None) -> None:
+        """Send `fragment`'s outer gradient (made from `tokens` tokens) in the background and return at once;
+        `collect` installs the merged fragment when it has come back. One push per fragment at a time."""
+        if fragment in self._pending:
+            raise RuntimeError(f"fragment {fragment} already has a push in flight: collect it first")
+        current = self._vector(model, fragment)
         delta = self.base[fragment] - current
         if self.error_feedback:
             delta = delta + self.residuals[fragment]
         payload, residual = self._encode(jnp.asarray(delta), self.fmt)
-        try:
-            reply = self.client.push(island=self.island, fragment=fragment, base_version=self.versions[fragment],
-                                     tokens=int(tokens), fmt=self.fmt, payload=payload, steps_per_s=steps_per_s)
-        except SyncRefused as e:
-            if not e.rejoin:
-                raise
-            self.lost_rounds += 1
-            return self.join(model)
         if self.error_feedback:
             self.residuals[fragment] = np.asarray(residual)
-        theta = np.asarray(reply["theta"], np.float32)
-        self.versions[fragment], self.base[fragment] = int(reply["version"]), theta.copy()
-        self.fastest_steps_per_s = reply.get("fastest_steps_per_s")
-        return self._install(model, fragment, theta)
+        call = self._sender.submit(
+            self.client.push, island=self.island, fragment=fragment, base_version=self.versions[fragment],
+            tokens=int(tokens), fmt=self.fmt, payload=payload, steps_per_s=steps_per_s)
+        self._pending[fragment] = (call, current)
+
+    def in_flight(self, fragment: int) -> bool:
+        return fragment in self._pending
+
+    def collect(self, model: PyTree, *, wait: bool = False) -> PyTree:
+        """Install every merged fragment that has come back (with `wait`, wait for all in flight).
+
+        The island's own steps since the push are kept: the fragment becomes the merged theta_g plus
+        what the island moved since it sent (`theta_new + current - sent`), and its next outer gradient
+        is taken against `theta_new`, so those steps reach theta_g with the next push. If the syncer
+        asks the island to join again (it restarted, or the contribution was too stale), the round's
+        tokens are lost and the island restarts from the current theta_g of every fragment."""
+        for fragment, (call, sent) in list(self._pending.items()):
+            if not (wait or call.done()):
+                continue
+            del self._pending[fragment]
+            try:
+                reply = call.result()
+            except SyncRefused as e:
+                if not e.rejoin:
+                    raise
+                self.lost_rounds += 1
+                for other, (pending, _) in list(self._pending.items()):  # a rejoin replaces every fragment
+                    try:
+                        pending.result()
+                    except SyncRefused:
+                        pass
+                    del self._pending[other]
+                return self.join(model)
+            theta = np.asarray(reply["theta"], np.float32)
+            moved = self._vector(model, fragment) - sent
+            self.versions[fragment], self.base[fragment] = int(reply["version"]), theta.copy()
+            self.fastest_steps_per_s = reply.get("fastest_steps_per_s")
+            model = self._install(model, fragment, theta + moved if moved.any() else theta)
+        return model
+
+    def sync(self, model: PyTree, fragment: int, *, tokens: int, steps_per_s: float | None = None) -> PyTree:
+        """`push`, wait for the merge and return `model` holding the merged fragment (blocking, as a
+        synchronous DiLoCo sync)."""
+        self.push(model, fragment, tokens=tokens, steps_per_s=steps_per_s)
+        return self.collect(model, wait=True)
 
     def leave(self) -> None:
         """Tell the syncer this island is done (the windows stop waiting for it)."""
         self.client.leave(self.island)
+        self._sender.shutdown(wait=False)
 
 
 def adaptive_sync_period(sync_period: int, steps_per_s: float, fastest_steps_per_s: float | None) -> int:

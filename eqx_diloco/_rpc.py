@@ -24,8 +24,8 @@ import hmac
 import random
 import threading
 import time
-from concurrent import futures
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import grpc

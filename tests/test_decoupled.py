@@ -10,19 +10,18 @@ import jax
 import numpy as np
 import optax
 import pytest
+from sharded_util import CONFIG, R, batch, loss_fn, make_core, relative
 
 from eqx_diloco import schedule
 from eqx_diloco._fragments import Fragmenter
 from eqx_diloco._island import Island, fragment_vectors, install_fragment
-from eqx_diloco._rpc import SERVICE, TOKEN_KEY, SyncerClient, SyncerService, SyncRefused, SyncerUnreachable
+from eqx_diloco._rpc import SERVICE, TOKEN_KEY, SyncerClient, SyncerService, SyncerUnreachable, SyncRefused
 from eqx_diloco._syncer import Refused, Syncer
 from eqx_diloco._syncer_checkpoint import SyncerCheckpoints
 from eqx_diloco._wire import encode
 from eqx_diloco.lm.config import ConfigError, DecoupledConfig, validate
 from eqx_diloco.lm.launch import main as launch_main
 from models.transformer import Transformer
-
-from sharded_util import CONFIG, R, batch, loss_fn, make_core, relative
 
 TOKEN = "secret-for-tests"
 
@@ -428,3 +427,80 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
     assert 0.5 * computed < summary["tokens_merged"] < computed  # the kills lost some work, not most of it
     evals = [r["eval_loss"] for r in _lines(run / "metrics.jsonl")]
     assert evals[-1] < 0.7 * evals[0]
+
+
+def test_a_custom_model_trains_as_decoupled_islands_through_the_public_roles(service):
+    """The library roles with a model that is not from `models/` (StackedMLP): two islands, int8 with error
+    feedback, two fragments; every merge takes both islands, and the global model fits better."""
+    from custom_model import IN_DIM, StackedMLP
+
+    from eqx_diloco import decoupled
+
+    model = StackedMLP(key=jax.random.key(0))
+    layers = lambda m: m.blocks
+    syncer = decoupled.make_syncer(model, layers=layers, num_fragments=2, num_islands=2, grace_s=30.0,
+                                   outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    s = SyncerService(syncer, address="127.0.0.1:0", token=TOKEN).start()
+    xs = jax.random.normal(jax.random.key(1), (64, IN_DIM))
+    ys = jax.numpy.sin(xs.sum(axis=1))
+
+    def loss(m, x, y):
+        return jax.numpy.mean((jax.vmap(m)(x) - y) ** 2)
+
+    optimizer = optax.sgd(0.05, momentum=0.9)
+
+    @eqx.filter_jit
+    def step(m, opt_state, x, y):
+        grads = eqx.filter_grad(loss)(m, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(m, eqx.is_inexact_array))
+        return eqx.apply_updates(m, updates), opt_state
+
+    errors = []
+
+    def island(k):
+        try:
+            client = decoupled.SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
+            isl = decoupled.Island(model, layers=layers, num_fragments=2, client=client, island=k, quantize="int8",
+                                   error_feedback=True)
+            m = isl.join(model)
+            opt_state = optimizer.init(eqx.filter(m, eqx.is_inexact_array))
+            for t in range(40):
+                m, opt_state = step(m, opt_state, xs[k::2], ys[k::2])
+                fragment = schedule.synced_fragment(t + 1, 4, 2)
+                if fragment is not None:
+                    m = isl.sync(m, fragment, tokens=32)
+            isl.leave()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=island, args=(k,)) for k in range(2)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors, errors
+    assert syncer.versions == [10, 10] and all(len(r.islands) == 2 for r in syncer.merges)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    fragmenter = Fragmenter.for_model(params, layers, 2)
+    trained = params
+    for f in range(2):
+        trained = decoupled.install_fragment(trained, fragmenter, f, syncer.theta[f])
+    assert loss(eqx.combine(trained, static), xs, ys) < 0.5 * loss(model, xs, ys)
+
+
+def test_a_push_in_the_background_keeps_the_steps_made_meanwhile(service):
+    """`push` returns at once; `collect` installs theta_new plus what the island moved since it sent, and the
+    next outer gradient is taken against theta_new."""
+    s = service([np.zeros(4, np.float32)], num_islands=1, grace_s=0.0)
+    client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
+    island = Island(np.zeros(4, np.float32), layers=None, client=client, island=0)
+    x = island.join(np.zeros(4, np.float32))
+    island.push(x - 1.0, 0, tokens=4)  # outer gradient +1: theta_g becomes -1 (sgd lr 1)
+    assert island.in_flight(0)
+    with pytest.raises(RuntimeError, match="already has a push in flight"):
+        island.push(x, 0, tokens=4)
+    x = island.collect(x - 1.5, wait=True)  # the island went on by -0.5 after sending
+    np.testing.assert_allclose(x, np.full(4, -1.5, np.float32))
+    assert island.versions == [1] and not island.in_flight(0)
+    np.testing.assert_allclose(island.base[0], np.full(4, -1.0, np.float32))
+    x = island.sync(x, 0, tokens=4)  # those -0.5 now reach theta_g: -1 - 0.5
+    np.testing.assert_allclose(np.asarray(s.syncer.theta[0]), np.full(4, -1.5, np.float32))
+    client.close()

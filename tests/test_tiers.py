@@ -51,7 +51,7 @@ def test_entry_points_do_nothing_when_imported():
 
 
 def test_the_public_namespaces():
-    assert len(eqx_diloco.__all__) <= 12
+    assert len(eqx_diloco.__all__) <= 13
     for name in eqx_diloco.__all__:
         assert getattr(eqx_diloco, name) is not None
     for gone in ["Trainer", "Config", "OuterSync", "global_model", "make_inner_step"]:

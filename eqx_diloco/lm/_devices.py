@@ -1,11 +1,13 @@
 """The CLI's devices and meshes from its flags: CPU device count, `jax.distributed`, `build_meshes`."""
 
+import functools
 import os
 import re
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,7 +66,7 @@ def quiet_gloo_lines() -> None:
     os.dup2(write_end, 1)
     os.close(write_end)
     # Lives as long as the process, as sys.stdout does.
-    sys.stdout = open(original, "w", buffering=1, encoding=sys.stdout.encoding,  # noqa: SIM115
+    sys.stdout = open(original, "w", buffering=1, encoding=sys.stdout.encoding,
                       errors=sys.stdout.errors, closefd=False)
     threading.Thread(target=forward_without_gloo_lines, args=(read_end, original), name="eqx_diloco-stdout",
                      daemon=True).start()
@@ -213,10 +215,15 @@ def fail_for_test(step: int) -> None:
 SLOW_ISLANDS_ENV = "EQX_DILOCO_SLOW_ISLANDS"
 
 
-def slowdown_s(islands: tuple[int, ...]) -> float:
-    """Benchmark only: seconds the process holding `islands` sleeps after each step, from
-    `$EQX_DILOCO_SLOW_ISLANDS` (`K:SECONDS,...`: island K sleeps SECONDS per step once the step is
-    computed), to emulate an island on slower hardware. 0 when unset."""
+@functools.cache
+def slowdown_s(islands: tuple[int, ...], *, all_processes: bool = False) -> float:
+    """Benchmark only: seconds this process sleeps after each step, from `$EQX_DILOCO_SLOW_ISLANDS`
+    (`K:SECONDS,...`: island K sleeps SECONDS per step once the step is computed), to emulate an island
+    on slower hardware; 0 when unset. `islands`: this process's islands, or with `all_processes` every
+    replica's island of a multi-process run (this process holds its equal share of them)."""
+    if all_processes:
+        share = len(islands) // jax.process_count()
+        islands = islands[jax.process_index() * share:][:share]
     spec = os.environ.get(SLOW_ISLANDS_ENV, "")
     extra = 0.0
     for item in filter(None, spec.split(",")):
@@ -227,3 +234,10 @@ def slowdown_s(islands: tuple[int, ...]) -> float:
         except ValueError:
             raise ValueError(f"${SLOW_ISLANDS_ENV} must be K:SECONDS,... (got {spec!r})") from None
     return extra
+
+
+def slow_down(seconds: float, value: jax.Array) -> None:
+    """Benchmark only: once `value` (the step's loss) is computed, sleep `seconds` (see `slowdown_s`)."""
+    if seconds:
+        jax.block_until_ready(value)
+        time.sleep(seconds)

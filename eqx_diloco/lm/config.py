@@ -12,7 +12,8 @@ from models._config import attention_rule
 
 from .._arguments import check_arguments
 from .._errors import ConfigError
-from ._flags import FLAGS, check_backend, flag_names  # noqa: F401  (re-exported: the CLI's flag names)
+from ._decoupled_config import DecoupledConfig, validate_decoupled
+from ._flags import FLAGS, check_backend, flag_names
 
 Algorithm = Literal["diloco", "ddp"]
 QuantizeFormat = Literal["none", "bf16", "fp8", "int8", "int4", "e3m0", "int2"]
@@ -173,36 +174,6 @@ class ElasticConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoupledConfig:
-    """Decoupled islands: independent programs that sync through a syncer service, with no global barrier (`eqx_diloco.launch --decoupled`)."""
-
-    role: Literal["off", "syncer", "island"] = "off"
-    """run this process as the `syncer` (theta_g and the outer optimizer, a gRPC service) or as one `island` (one replica that trains on its own and syncs through the syncer); `off`: an ordinary run. `python -m eqx_diloco.launch --decoupled` sets it."""
-    syncer: str = "127.0.0.1:50051"
-    """HOST:PORT of the syncer: where it listens (role syncer; 0.0.0.0:PORT for every interface) and where islands reach it."""
-    token: str | None = None
-    """the shared secret every call to the syncer carries (default: $EQX_DILOCO_SYNCER_TOKEN); a call without it is refused."""
-    island: int = 0
-    """this island's id, in [0, --diloco.num-replicas): it picks the island's data share and random streams."""
-    min_quorum: int | None = None
-    """islands a merge waits for (of those present; default: all of them); the grace window bounds the wait."""
-    grace_s: float | None = None
-    """seconds a merge waits for missing islands after the first one reported. Unset: adaptive, --decoupled.grace-factor times the median lag of recent arrivals, within [--decoupled.grace-min-s, --decoupled.grace-max-s]."""
-    grace_factor: float = 3.0
-    """the adaptive grace window in medians of recent arrival lags."""
-    grace_min_s: float = 0.05
-    """lower bound of the adaptive grace window, in seconds."""
-    grace_max_s: float = 10.0
-    """upper bound of the adaptive grace window, in seconds (also the wait before the first lags are measured)."""
-    max_staleness: int = 4
-    """a contribution made from a theta_g more than this many versions behind is refused (its tokens are lost); fresher ones count 1 / (1 + staleness) of their tokens."""
-    adaptive_h: bool = False
-    """set each island's H from its measured speed (Dynamic Local Updates): the fastest island keeps --diloco.sync-period, a twice slower one syncs every H / 2 steps, so they report together."""
-    retry_s: float = 120.0
-    """how long an island keeps retrying (with backoff) while the syncer does not answer, e.g. while it restarts."""
-
-
-@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints."""
 
@@ -348,14 +319,10 @@ def validate(config: Config) -> None:
     _require(0 <= d.outer_momentum < 1, f"--diloco.outer-momentum must be in [0, 1) (got {d.outer_momentum})")
     _require(0 <= train.min_lr_ratio <= 1, f"--train.min-lr-ratio must be in [0, 1] (got {train.min_lr_ratio})")
     _require(0 <= m.dropout < 1, f"--model.dropout must be in [0, 1) (got {m.dropout})")
-    _require(
-        m.dim % m.num_heads == 0,
-        f"--model.dim must be divisible by --model.num-heads (got {m.dim} and {m.num_heads})",
-    )
-    _require(
-        (m.dim // m.num_heads) % 2 == 0,
-        f"--model.dim / --model.num-heads must be even for rotary embeddings (got {m.dim // m.num_heads})",
-    )
+    _require(m.dim % m.num_heads == 0,
+             f"--model.dim must be divisible by --model.num-heads (got {m.dim} and {m.num_heads})")
+    _require((m.dim // m.num_heads) % 2 == 0,
+             f"--model.dim / --model.num-heads must be even for rotary embeddings (got {m.dim // m.num_heads})")
     _require(m.scan_unroll >= 0, f"--model.scan-unroll must be >= 0 (0 = all layers; got {m.scan_unroll})")
     if m.attention == "cudnn" and m.dtype != "auto":  # the backend's half of the rule: `check_backend`
         problem = attention_rule(m, nvidia_gpu=True, dtype=m.dtype)
@@ -418,11 +385,9 @@ def validate(config: Config) -> None:
         )
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None
+    validate_decoupled(config)
     if config.algorithm == "ddp":
-        _require(config.decoupled.role == "off", "--decoupled.role needs --algorithm diloco (ddp averages every step)")
         return
-    if config.decoupled.role != "off":
-        _validate_decoupled(config)
     if config.elastic.enabled:
         _require(config.mesh.replicas_per_device <= 1, "--elastic.enabled needs one replica per process and device "
                  f"(--mesh.replicas-per-device 0 or 1, got {config.mesh.replicas_per_device})")
@@ -432,31 +397,3 @@ def validate(config: Config) -> None:
                  f"(got {config.mesh.fsdp} and {config.mesh.tensor}): an island snapshot holds a whole replica")
         _require(config.elastic.keep_snapshots >= 2,
                  f"--elastic.keep-snapshots must be >= 2 (got {config.elastic.keep_snapshots})")
-
-
-def _validate_decoupled(config: Config) -> None:
-    dc, d = config.decoupled, config.diloco
-    _require(not config.elastic.enabled, "--decoupled.role needs --elastic.no-enabled: decoupled islands are elastic "
-             "by themselves (a lost island is left out of merges)")
-    _require(config.mesh.data * config.mesh.fsdp * config.mesh.tensor == 1,
-             "--decoupled.role runs one device per island: --mesh.data, --mesh.fsdp and --mesh.tensor must be 1 "
-             f"(got {config.mesh.data}, {config.mesh.fsdp}, {config.mesh.tensor})")
-    for flag, value in [("--diloco.overlap-steps", d.overlap_steps), ("--diloco.router-sync-period", d.router_sync_period)]:
-        _require(value == 0, f"{flag} must be 0 with --decoupled.role (got {value}): an island waits for its merge "
-                 "(at most the grace window) and syncs every parameter with its fragment")
-    _require(d.alpha == 0.0, f"--diloco.alpha must be 0 with --decoupled.role (got {d.alpha})")
-    _require(d.outer_overlap == "none", f"--diloco.outer-overlap must be none with --decoupled.role (got {d.outer_overlap})")
-    _require(d.topk is None, "--diloco.topk is not supported with --decoupled.role (send dense, quantized outer gradients)")
-    _require(0 <= dc.island < d.num_replicas, f"--decoupled.island must be in [0, {d.num_replicas}) "
-             f"(--diloco.num-replicas islands; got {dc.island})")
-    _require(dc.min_quorum is None or 1 <= dc.min_quorum <= d.num_replicas,
-             f"--decoupled.min-quorum must be in [1, {d.num_replicas}] (got {dc.min_quorum})")
-    _require(dc.grace_s is None or dc.grace_s >= 0, f"--decoupled.grace-s must be >= 0 (got {dc.grace_s})")
-    _require(dc.grace_factor > 0, f"--decoupled.grace-factor must be > 0 (got {dc.grace_factor})")
-    _require(0 <= dc.grace_min_s <= dc.grace_max_s, "--decoupled.grace-min-s must be in [0, --decoupled.grace-max-s] "
-             f"(got {dc.grace_min_s} and {dc.grace_max_s})")
-    _require(dc.max_staleness >= 0, f"--decoupled.max-staleness must be >= 0 (got {dc.max_staleness})")
-    _require(dc.retry_s > 0, f"--decoupled.retry-s must be > 0 (got {dc.retry_s})")
-    host, _, port = dc.syncer.rpartition(":")
-    _require(bool(host) and port.isdigit() and int(port) < 65536,
-             f"--decoupled.syncer must be HOST:PORT (got {dc.syncer!r})")

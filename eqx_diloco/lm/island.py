@@ -125,17 +125,31 @@ def run_island(config: Config) -> int:
             if dc.adaptive_h:
                 h = adaptive_sync_period(period, 1.0 / seconds_per_step, island.fastest_steps_per_s)
             last = step + 1 == t.steps
+            lost = island.lost_rounds
+            if not dc.wait:
+                params = island.collect(params)  # merges that came back since the last step
             for f in range(num_fragments):
                 if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
                     waited = time.perf_counter()
-                    lost = island.lost_rounds
-                    params = island.sync(params, f, tokens=steps_done[f] * tokens_per_step,
-                                         steps_per_s=1.0 / seconds_per_step)
-                    log.write({"step": step + 1, "time": time.time() - t0, "sync": f, "version": island.versions[f],
-                               "h": h, "wait_s": round(time.perf_counter() - waited, 4),
-                               "tokens_sent": steps_done[f] * tokens_per_step, "lost": island.lost_rounds > lost})
+                    base_version = island.versions[f]
+                    if dc.wait:
+                        params = island.sync(params, f, tokens=steps_done[f] * tokens_per_step,
+                                             steps_per_s=1.0 / seconds_per_step)
+                    else:
+                        if island.in_flight(f):  # its previous merge must land before the next push
+                            params = island.collect(params, wait=True)
+                        base_version = island.versions[f]
+                        island.push(params, f, tokens=steps_done[f] * tokens_per_step,
+                                    steps_per_s=1.0 / seconds_per_step)
+                    log.write({"step": step + 1, "time": time.time() - t0, "sync": f, "base_version": base_version,
+                               "version": island.versions[f], "h": h, "wait_s": round(time.perf_counter() - waited, 4),
+                               "tokens_sent": steps_done[f] * tokens_per_step})
                     since[f], steps_done[f] = 0, 0
                     _write_progress(progress, step + 1)
+            if island.lost_rounds > lost:
+                log.write({"step": step + 1, "time": time.time() - t0, "lost_round": True, "joined": True,
+                           "versions": island.versions})
+        params = island.collect(params, wait=True)
         island.leave()
     except SyncerUnreachable as e:
         raise IslandError(f"island {k}: {e} (--decoupled.syncer {dc.syncer}, --decoupled.retry-s {dc.retry_s:g})") from None

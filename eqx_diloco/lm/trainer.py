@@ -25,10 +25,10 @@ from .._state import TrainState
 from .._tree import row_finite
 from ._banner import finished_message, format_summary
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, place
-from ._phases import mark
-from ._devices import fail_for_test, slowdown_s
+from ._devices import fail_for_test, slow_down, slowdown_s
 from ._finite import FiniteChecks, all_finite
 from ._hooks import Hook
+from ._phases import mark
 from ._reporting import Reporter
 from ._signals import StopSignals, TrainingStopped
 from ._tensorboard import TensorBoardLog
@@ -64,8 +64,6 @@ class Trainer:
         tokens = load_tokens(config.data, config.model.vocab_size, t.seed)
         self.elastic = config.elastic.enabled
         self.islands, num_islands, self.elastic_events = island_layout(d.num_replicas)
-        per_process = d.num_replicas // jax.process_count()
-        self.slowdown_s = slowdown_s(self.islands[jax.process_index() * per_process:][:per_process])
         if self.elastic and jax.process_count() != d.num_replicas:
             raise ConfigError(f"--elastic.enabled needs one replica per process: run {d.num_replicas} processes "
                               f"for --diloco.num-replicas {d.num_replicas} (got {jax.process_count()})")
@@ -250,9 +248,7 @@ class Trainer:
             tokens = place(self.batches.batch(step), self.batch_sharding)
             state, metrics = self.core.step(state, tokens, before_sync=self.router_drift)
             fail_for_test(t)  # tests only: $EQX_DILOCO_TEST_FAIL_AT_STEP (see _devices.py)
-            if self.slowdown_s:  # benchmarks only: $EQX_DILOCO_SLOW_ISLANDS (see _devices.py)
-                jax.block_until_ready(metrics["loss"])
-                time.sleep(self.slowdown_s)
+            slow_down(slowdown_s(self.islands, all_processes=True), metrics["loss"])  # benchmarks only
             if step == start:  # the step programs (and those of the syncs due now) compiled in that call
                 report.note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
                 mark("first step compiled and dispatched")

@@ -1,0 +1,78 @@
+"""`--decoupled.*`: the flags of decoupled islands (`lm/island.py`, `lm/syncer.py`) and their rules."""
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+from .._errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoupledConfig:
+    """Decoupled islands: independent programs that sync through a syncer service, with no global barrier (`eqx_diloco.launch --decoupled`)."""
+
+    role: Literal["off", "syncer", "island"] = "off"
+    """run this process as the `syncer` (theta_g and the outer optimizer, a gRPC service) or as one `island` (one replica that trains on its own and syncs through the syncer); `off`: an ordinary run. `python -m eqx_diloco.launch --decoupled` sets it."""
+    syncer: str = "127.0.0.1:50051"
+    """HOST:PORT of the syncer: where it listens (role syncer; 0.0.0.0:PORT for every interface) and where islands reach it."""
+    token: str | None = None
+    """the shared secret every call to the syncer carries (default: $EQX_DILOCO_SYNCER_TOKEN); a call without it is refused."""
+    island: int = 0
+    """this island's id, in [0, --diloco.num-replicas): it picks the island's data share and random streams."""
+    min_quorum: int | None = None
+    """islands a merge waits for (of those present; default: all of them); the grace window bounds the wait."""
+    grace_s: float | None = None
+    """seconds a merge waits for missing islands after the first one reported. Unset: adaptive, --decoupled.grace-factor times the median lag of recent arrivals, within [--decoupled.grace-min-s, --decoupled.grace-max-s]."""
+    grace_factor: float = 3.0
+    """the adaptive grace window in medians of recent arrival lags."""
+    grace_min_s: float = 0.05
+    """lower bound of the adaptive grace window, in seconds."""
+    grace_max_s: float = 10.0
+    """upper bound of the adaptive grace window, in seconds (also the wait before the first lags are measured)."""
+    max_staleness: int = 4
+    """a contribution made from a theta_g more than this many versions behind is refused (its tokens are lost); fresher ones count 1 / (1 + staleness) of their tokens."""
+    wait: bool = True
+    """an island waits for each merge (at most the grace window) before its next step, as a synchronous sync does; `--decoupled.no-wait` pushes in the background and keeps training, and folds the merged fragment in when it comes back, keeping the steps it made meanwhile (they reach theta_g with its next push)."""
+    adaptive_h: bool = False
+    """set each island's H from its measured speed (Dynamic Local Updates): the fastest island keeps --diloco.sync-period, a twice slower one syncs every H / 2 steps, so they report together."""
+    retry_s: float = 120.0
+    """how long an island keeps retrying (with backoff) while the syncer does not answer, e.g. while it restarts."""
+
+
+def validate_decoupled(config: "Config") -> None:
+    """The `--decoupled.*` rules and what decoupled islands do not combine with (one-line `ConfigError`)."""
+    if config.decoupled.role == "off":
+        return
+    _require(config.algorithm == "diloco", "--decoupled.role needs --algorithm diloco (ddp averages every step)")
+    dc, d = config.decoupled, config.diloco
+    _require(not config.elastic.enabled, "--decoupled.role needs --elastic.no-enabled: decoupled islands are elastic "
+             "by themselves (a lost island is left out of merges)")
+    _require(config.mesh.data * config.mesh.fsdp * config.mesh.tensor == 1,
+             "--decoupled.role runs one device per island: --mesh.data, --mesh.fsdp and --mesh.tensor must be 1 "
+             f"(got {config.mesh.data}, {config.mesh.fsdp}, {config.mesh.tensor})")
+    for flag, value in [("--diloco.overlap-steps", d.overlap_steps), ("--diloco.router-sync-period", d.router_sync_period)]:
+        _require(value == 0, f"{flag} must be 0 with --decoupled.role (got {value}): an island waits for its merge "
+                 "(at most the grace window) and syncs every parameter with its fragment")
+    _require(d.alpha == 0.0, f"--diloco.alpha must be 0 with --decoupled.role (got {d.alpha})")
+    _require(d.outer_overlap == "none", f"--diloco.outer-overlap must be none with --decoupled.role (got {d.outer_overlap})")
+    _require(d.topk is None, "--diloco.topk is not supported with --decoupled.role (send dense, quantized outer gradients)")
+    _require(0 <= dc.island < d.num_replicas, f"--decoupled.island must be in [0, {d.num_replicas}) "
+             f"(--diloco.num-replicas islands; got {dc.island})")
+    _require(dc.min_quorum is None or 1 <= dc.min_quorum <= d.num_replicas,
+             f"--decoupled.min-quorum must be in [1, {d.num_replicas}] (got {dc.min_quorum})")
+    _require(dc.grace_s is None or dc.grace_s >= 0, f"--decoupled.grace-s must be >= 0 (got {dc.grace_s})")
+    _require(dc.grace_factor > 0, f"--decoupled.grace-factor must be > 0 (got {dc.grace_factor})")
+    _require(0 <= dc.grace_min_s <= dc.grace_max_s, "--decoupled.grace-min-s must be in [0, --decoupled.grace-max-s] "
+             f"(got {dc.grace_min_s} and {dc.grace_max_s})")
+    _require(dc.max_staleness >= 0, f"--decoupled.max-staleness must be >= 0 (got {dc.max_staleness})")
+    _require(dc.retry_s > 0, f"--decoupled.retry-s must be > 0 (got {dc.retry_s})")
+    host, _, port = dc.syncer.rpartition(":")
+    _require(bool(host) and port.isdigit() and int(port) < 65536,
+             f"--decoupled.syncer must be HOST:PORT (got {dc.syncer!r})")
