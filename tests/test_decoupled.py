@@ -504,3 +504,13 @@ def test_a_push_in_the_background_keeps_the_steps_made_meanwhile(service):
     x = island.sync(x, 0, tokens=4)  # those -0.5 now reach theta_g: -1 - 0.5
     np.testing.assert_allclose(np.asarray(s.syncer.theta[0]), np.full(4, -1.5, np.float32))
     client.close()
+
+
+def test_adaptive_h_follows_the_islands_speed():
+    from eqx_diloco.decoupled import adaptive_sync_period
+
+    assert adaptive_sync_period(10, 5.0, 10.0) == 5  # half as fast: syncs every H / 2 steps
+    assert adaptive_sync_period(10, 10.0, 10.0) == 10
+    assert adaptive_sync_period(10, 20.0, 10.0) == 10  # never above H
+    assert adaptive_sync_period(10, 0.1, 10.0) == 1  # never below 1
+    assert adaptive_sync_period(10, 5.0, None) == 10  # nothing measured yet
