@@ -22,9 +22,10 @@ Scenarios:
    mean `KILL_EVERY_S` seconds from the first step, at most `MAX_KILLS`, a kill only once every island
    killed before has come back), `--max-restarts` enough for all, in runs of twice the steps (so
    the kills fall inside training). Reported per mode:
-   - goodput, time-based: tokens merged into theta_g per second of the run's training (first step to
-     exit) over the same in the mode's failure-free run of that seed and length: the share of the
-     failure-free throughput that still reached the global model;
+   - goodput, time-based: tokens merged into theta_g per second of the run's training (from the moment
+     every island has stepped to the exit; also over the whole run, launch to exit) over the same in
+     the mode's failure-free run of that seed and length: the share of the failure-free throughput
+     that still reached the global model;
    - goodput, token-based: tokens merged into theta_g over tokens computed (every inner step any
      island ran, including steps a kill threw away). For `elastic` the computed tokens are the
      final run's steps plus each loss's `lost_steps` times the islands that lost them;
@@ -140,8 +141,10 @@ class Run:
             return None
 
     def _first_step_seen(self) -> bool:
+        """Whether every island has made a step (the end of start-up; synchronous islands step together)."""
         if self.kind == "decoupled":
-            return any("loss" in r for r in _lines(self.run_dir / "island-0" / "metrics.jsonl"))
+            return all(any("loss" in r for r in _lines(self.run_dir / f"island-{k}" / "metrics.jsonl"))
+                       for k in range(ISLANDS))
         return any("loss" in r for r in _lines(self.run_dir / "metrics.jsonl"))
 
     def _eval_lines(self) -> list[dict]:
@@ -265,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=pathlib.Path, default=None)
     parser.add_argument("--work-dir", type=pathlib.Path, default=None, help="run folders (default: temporary)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--scenarios", default="equal,slow,failures",
+                        help="which to run (comma-separated); the others are kept from --out-dir's decoupled.json")
     args = parser.parse_args(argv)
+    scenarios = set(args.scenarios.split(","))
+    if not scenarios <= {"equal", "slow", "failures"}:
+        parser.error(f"--scenarios takes equal, slow, failures (got {args.scenarios})")
     mode = args.mode or "quick"
     pinned = MODES[mode]
     out_dir = args.out_dir or common.default_out_dir("decoupled", mode)
@@ -288,11 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     if mode != "smoke":
         for kind in ("decoupled", "sync"):
             Run(kind, 99, 20, work, cache).go(args.timeout)
-    equal = {kind: [run(kind, s) for s in range(pinned["seeds"])] for kind in ("decoupled", "sync")}
-    result = {"mode": mode, "steps": steps, "islands": ISLANDS, "flags": FLAGS, "machine": common.machine_info(),
-              "revision": common.revision(), "equal": equal}
+    revision = common.revision()
+    if "equal" in scenarios:
+        equal = {kind: [run(kind, s) for s in range(pinned["seeds"])] for kind in ("decoupled", "sync")}
+        result = {"mode": mode, "steps": steps, "islands": ISLANDS, "flags": FLAGS, "machine": common.machine_info(),
+                  "revisions": {"equal": revision}, "equal": equal,
+                  "median_step_s": median_step_s(equal["decoupled"][0])}
+    else:  # the references the other scenarios need come from the committed run
+        result = json.loads((out_dir / "decoupled.json").read_text())
+        equal = result["equal"]
     sync_final = statistics.fmean(r["final_eval_loss"] for r in equal["sync"])
-    result["median_step_s"] = median_step_s(equal["decoupled"][0])
 
     def save() -> None:  # after each scenario: a run that fails later keeps what was measured
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         common.write_text(out_dir / "decoupled.md", report(slim))
 
     save()
-    if pinned["slow"]:
+    if pinned["slow"] and "slow" in scenarios:
+        result["revisions"]["slow"] = revision
         slow_s = result["median_step_s"]
         result["target_eval_loss"] = target = TARGET_FACTOR * sync_final
         result["slow"] = {kind: [run(kind, s, slow_s=slow_s) for s in range(pinned["seeds"])]
@@ -314,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs:
                 r["time_to_target_s"] = time_to_target(r, target)
         save()
-    if pinned["failure_seeds"]:
+    if pinned["failure_seeds"] and "failures" in scenarios:
+        result["revisions"]["failures"] = revision
         long = pinned["failure_steps"]
         result["failure_steps"] = long
         result["failure_free"] = {kind: [run(kind, s, steps=long) for s in range(pinned["failure_seeds"])]
@@ -329,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
                 r["goodput_time"] = rate / base
+                r["goodput_wall"] = (r["tokens_merged"] / r["wall_s"]) / (reference["tokens_merged"] / reference["wall_s"])
                 r["goodput_tokens"] = r["tokens_merged"] / r["tokens_computed"]
                 if kind == "decoupled":
                     r["kill_gaps_s"] = kill_gaps(r)
@@ -377,8 +393,10 @@ def report(result: dict) -> str:
         lines += ["## Islands killed at random", "",
                   f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean {KILL_EVERY_S:g} s from "
                   f"the first step, at most {MAX_KILLS}, a random island each (seeded); each killed island is "
-                  "restarted. Goodput (time): tokens merged per second of training over the failure-free run's "
-                  "(same seed and steps); goodput (tokens): tokens merged over tokens computed.", ""]
+                  "restarted. Goodput, time: tokens merged per second of training (from the moment every island "
+                  "has stepped to the exit) over the failure-free run's (same seed and steps), and in brackets the "
+                  "same over the whole run (launch to exit); goodput (tokens): tokens merged over tokens computed.",
+                  ""]
         rows = []
         for kind, runs in result["failures"].items():
             for r in runs:
@@ -391,14 +409,16 @@ def report(result: dict) -> str:
                     worst = (f"{max(r['stalls_s'], default=0) / r['median_step_s']:.0f}x (stalls "
                              + ", ".join(f"{g:.1f}" for g in r["stalls_s"]) + f" s; median step "
                              f"{r['median_step_s'] * 1000:.0f} ms)") if r["median_step_s"] else "-"
-                rows.append([kind, str(r["seed"]), str(len(r["kills"])), f"{r['goodput_time']:.2f}",
+                rows.append([kind, str(r["seed"]), str(len(r["kills"])),
+                             f"{r['goodput_time']:.2f} ({r['goodput_wall']:.2f})",
                              f"{r['goodput_tokens']:.3f}", worst, f"{r['wall_s']:.1f} s", f"{r['final_eval_loss']:.4f}"])
-        lines += [_table(["mode", "seed", "kills", "goodput (time)", "goodput (tokens)",
+        lines += [_table(["mode", "seed", "kills", "goodput, time (whole run)", "goodput (tokens)",
                                          "survivors' longest gap / median step", "wall time", "final eval loss"],
                                         rows), ""]
     m = result["machine"]
-    lines += [f"{m['cpu_count']} CPUs, {m['platform']}, Python {m['python']}, JAX {m['jax']}; code revision "
-              f"{result['revision']}."]
+    revisions = ", ".join(f"{k}: {v}" for k, v in result.get("revisions", {}).items())
+    lines += [f"{m['cpu_count']} CPUs, {m['platform']}, Python {m['python']}, JAX {m['jax']}; code revisions "
+              f"{revisions}."]
     return "\n".join(lines) + "\n"
 
 

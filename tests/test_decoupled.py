@@ -392,13 +392,13 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
     import subprocess
     import sys
 
-    run, steps = tmp_path / "run", 400
+    run, steps = tmp_path / "run", 300
     flags = ["--run-dir", str(run), "--data.source", "synthetic", "--model.num-layers", "2", "--model.dim", "32",
              "--model.num-heads", "2", "--train.batch-size", "4", "--train.seq-len", "16", "--train.steps", str(steps),
              "--train.eval-every", "100", "--diloco.sync-period", "10", "--diloco.num-fragments", "2",
              "--diloco.quantize", "int4", "--diloco.error-feedback"]
-    env = dict(os.environ, EQX_DILOCO_SLOW_ISLANDS="0:4,1:4,2:4")  # slow enough to kill mid-run
-    proc = subprocess.Popen([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "3",
+    env = dict(os.environ, EQX_DILOCO_SLOW_ISLANDS="0:0.02,1:0.02")  # 20 ms more per step: killed mid-run
+    proc = subprocess.Popen([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
                              "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--", *flags], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -407,23 +407,24 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
 
         _wait_for(lambda: step_of(1) >= 60, 120, "island 1 at step 60")
         os.kill(int((run / "island-1" / "pid").read_text()), signal.SIGKILL)
-        _wait_for(lambda: len(_lines(run / "syncer" / "metrics.jsonl")) >= 20
-                  and any((run / "syncer" / "checkpoints").glob("[0-9]*")), 120, "20 merges and a syncer checkpoint")
+        _wait_for(lambda: len(_lines(run / "syncer" / "metrics.jsonl")) >= 12
+                  and any((run / "syncer" / "checkpoints").glob("[0-9]*")), 120, "12 merges and a syncer checkpoint")
         os.kill(json.loads((run / "syncer" / "address.json").read_text())["pid"], signal.SIGKILL)
         output, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.kill()  # the islands and the syncer die with the launcher
+        proc.communicate()
     assert proc.returncode == 0, output
     assert "island 1 exited with -9; restart 1 of 1" in output and "syncer exited with -9; restart 1 of 1" in output
-    for k in range(3):
+    for k in range(2):
         records = _lines(run / f"island-{k}" / "metrics.jsonl")
         assert max(r["step"] for r in records if "loss" in r) == steps
     joins = [r for r in _lines(run / "island-1" / "metrics.jsonl") if r.get("joined")]
     assert len(joins) == 2 and joins[1]["step"] > 0  # it rejoined where its newest sync left it
     assert json.loads((run / "syncer" / "address.json").read_text())["restored"] is not None
     summary = json.loads((run / "syncer" / "summary.json").read_text())
-    computed = 4 * 16 * sum(1 for k in range(3) for r in _lines(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
+    computed = 4 * 16 * sum(1 for k in range(2) for r in _lines(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
     assert 0.5 * computed < summary["tokens_merged"] < computed  # the kills lost some work, not most of it
     evals = [r["eval_loss"] for r in _lines(run / "metrics.jsonl")]
     assert evals[-1] < 0.7 * evals[0]
