@@ -77,6 +77,7 @@ SLOW_FILES_FIRST = (
     "test_eager_benchmark.py",
     "test_trainer_hardening.py",
     "test_acceptance_benchmark.py",
+    "test_decoupled.py",  # a launcher run with an island and the syncer killed
     "test_quantized_sync.py",
     "test_benchmarks.py",
     "test_benchmark_outputs.py",
