@@ -515,3 +515,18 @@ def test_adaptive_h_follows_the_islands_speed():
     assert adaptive_sync_period(10, 20.0, 10.0) == 10  # never above H
     assert adaptive_sync_period(10, 0.1, 10.0) == 1  # never below 1
     assert adaptive_sync_period(10, 5.0, None) == 10  # nothing measured yet
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_islands": 0}, "num_islands must be >= 1"),
+    ({"min_quorum": 3}, r"min_quorum must be in \[1, 2\]"),
+    ({"grace_s": -0.5}, "grace_s must be >= 0"),
+    ({"grace_min_s": 2.0, "grace_max_s": 1.0}, "need 0 <= grace_min_s <= grace_max_s"),
+    ({"max_staleness": -1}, "max_staleness must be >= 0"),
+])
+def test_bad_syncer_arguments_are_refused_in_one_line(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), **({"num_islands": 2} | kwargs))
+    with pytest.raises(ConfigError, match="needs a non-empty shared secret"):
+        SyncerService(Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=1),
+                      address="127.0.0.1:0", token="")
