@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from sharded_util import CONFIG, R, batch, loss_fn, make_core, relative
+from util import slow_except
 
 from eqx_diloco import schedule
 from eqx_diloco._fragments import Fragmenter
@@ -187,7 +188,7 @@ def _inner_step(static):
     return optimizer, step
 
 
-@pytest.mark.parametrize("quantize", ["none", "int4"])
+@pytest.mark.parametrize("quantize", slow_except(["none", "int4"], fast=["none"]))
 def test_decoupled_islands_equal_synchronous_streaming_diloco(service, quantize):
     """All islands fresh, equal tokens, quorum of all: each merge is DiLoCo's outer step (int4: with error
     feedback, the fragment's values as one vector, as DiLoCo sends them)."""
