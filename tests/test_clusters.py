@@ -227,8 +227,8 @@ def _assert_same_run(got, expected) -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.slow  # 4 tasks once (Open MPI): SLURM's path differs from it only in the variables JAX reads
-@pytest.mark.parametrize(("kind", "num_processes"), [("slurm", 2), ("ompi", 2), ("ompi", 4)])
+@pytest.mark.slow  # 2 tasks each: a 4-process run is test_multiprocess's (the launcher's), and a job's tasks differ
+@pytest.mark.parametrize(("kind", "num_processes"), [("slurm", 2), ("ompi", 2)])  # only in their own variables
 def test_the_examples_launch_line_runs_one_job_equal_to_the_launcher(tmp_path, launcher_runs, kind, num_processes):
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     codes = wait_all(_job(kind, num_processes, run_dir, logs), logs)

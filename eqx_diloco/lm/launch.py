@@ -19,6 +19,11 @@ and with `--max-restarts` the island rejoins later (see `elastic`):
 
     python -m eqx_diloco.launch --num-processes 3 --max-restarts 2 -- --elastic.enabled
 
+With `--decoupled`, the islands share no JAX world at all: a syncer and N independent islands, a
+lost island restarted while the others train on (see `decoupled`, docs/decoupled.md):
+
+    python -m eqx_diloco.launch --decoupled --num-processes 4 --max-restarts 2 -- --diloco.quantize int4
+
 With `--bandwidth`, all processes run inside a fresh network namespace whose loopback is
 rate-limited with a token bucket (`tc qdisc ... tbf`), so they talk over a slow link.
 That needs root (to create the namespace); without it the launcher says so and stops.
