@@ -66,7 +66,7 @@ def quiet_gloo_lines() -> None:
     os.dup2(write_end, 1)
     os.close(write_end)
     # Lives as long as the process, as sys.stdout does.
-    sys.stdout = open(original, "w", buffering=1, encoding=sys.stdout.encoding,
+    sys.stdout = open(original, "w", buffering=1, encoding=sys.stdout.encoding,  # noqa: SIM115
                       errors=sys.stdout.errors, closefd=False)
     threading.Thread(target=forward_without_gloo_lines, args=(read_end, original), name="eqx_diloco-stdout",
                      daemon=True).start()

@@ -13,7 +13,7 @@ from models._config import attention_rule
 from .._arguments import check_arguments
 from .._errors import ConfigError
 from ._decoupled_config import DecoupledConfig, validate_decoupled
-from ._flags import FLAGS, check_backend, flag_names
+from ._flags import FLAGS, check_backend, flag_names  # noqa: F401  (re-exported: the CLI's flag names)
 
 Algorithm = Literal["diloco", "ddp"]
 QuantizeFormat = Literal["none", "bf16", "fp8", "int8", "int4", "e3m0", "int2"]
