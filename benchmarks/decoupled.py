@@ -63,6 +63,7 @@ import tempfile
 import time
 
 from benchmarks import _common as common
+from benchmarks._elastic.observe import read_jsonl
 
 ISLANDS = 4
 TOKENS_PER_STEP = 8 * 128
@@ -76,20 +77,6 @@ FLAGS = ["--model.num-layers", "2", "--model.dim", "64", "--model.num-heads", "2
 MODES = {"smoke": dict(steps=30, seeds=1, failure_seeds=0, slow=False, failure_steps=0),
          "quick": dict(steps=300, seeds=3, failure_seeds=1, slow=True, failure_steps=600),
          "full": dict(steps=300, seeds=3, failure_seeds=3, slow=True, failure_steps=600)}
-
-
-def _lines(path: pathlib.Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -143,12 +130,12 @@ class Run:
     def _first_step_seen(self) -> bool:
         """Whether every island has made a step (the end of start-up; synchronous islands step together)."""
         if self.kind == "decoupled":
-            return all(any("loss" in r for r in _lines(self.run_dir / f"island-{k}" / "metrics.jsonl"))
+            return all(any("loss" in r for r in read_jsonl(self.run_dir / f"island-{k}" / "metrics.jsonl"))
                        for k in range(ISLANDS))
-        return any("loss" in r for r in _lines(self.run_dir / "metrics.jsonl"))
+        return any("loss" in r for r in read_jsonl(self.run_dir / "metrics.jsonl"))
 
     def _eval_lines(self) -> list[dict]:
-        return [r for r in _lines(self.run_dir / "metrics.jsonl") if "eval_loss" in r]
+        return [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if "eval_loss" in r]
 
     def go(self, timeout_s: float) -> dict:
         self.run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -205,13 +192,13 @@ class Run:
     def _accounting(self) -> dict:
         if self.kind == "decoupled":
             summary = json.loads((self.run_dir / "syncer" / "summary.json").read_text())
-            steps = {k: [r for r in _lines(self.run_dir / f"island-{k}" / "metrics.jsonl") if "loss" in r]
+            steps = {k: [r for r in read_jsonl(self.run_dir / f"island-{k}" / "metrics.jsonl") if "loss" in r]
                      for k in range(ISLANDS)}
             computed = TOKENS_PER_STEP * sum(len(v) for v in steps.values())
             return {"tokens_merged": summary["tokens_merged"], "tokens_computed": computed,
                     "step_times": {k: [r["time"] for r in v] for k, v in steps.items()},
                     "merges_by_grace": summary["merges_by_grace"], "merges": summary["merges"]}
-        records = _lines(self.run_dir / "metrics.jsonl")
+        records = read_jsonl(self.run_dir / "metrics.jsonl")
         merged = TOKENS_PER_STEP * sum(len(r["replica_losses"]) for r in records if "replica_losses" in r)
         lost = [r for r in records if r.get("event") == "island_lost"]
         computed = merged + TOKENS_PER_STEP * sum(r["lost_steps"] * (r["live_replicas"] + 1) for r in lost)

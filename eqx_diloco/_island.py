@@ -27,10 +27,14 @@ from ._rpc import SyncerClient, SyncRefused
 PyTree = Any
 
 
+def fragment_vector(params: PyTree, fragmenter: Fragmenter, fragment: int) -> np.ndarray:
+    """`fragment`'s values in `params` (the model's trainable arrays) as one flat float32 host vector."""
+    return np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in fragmenter.get(params, fragment)])
+
+
 def fragment_vectors(params: PyTree, fragmenter: Fragmenter) -> list[np.ndarray]:
-    """Every fragment of `params` (the model's trainable arrays) as one flat float32 host vector."""
-    return [np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in fragmenter.get(params, f)])
-            for f in range(fragmenter.num_fragments)]
+    """Every fragment of `params` as `fragment_vector` makes it."""
+    return [fragment_vector(params, fragmenter, f) for f in range(fragmenter.num_fragments)]
 
 
 def install_fragment(params: PyTree, fragmenter: Fragmenter, fragment: int, vector: np.ndarray) -> PyTree:
@@ -101,8 +105,7 @@ class Island:
         return model
 
     def _vector(self, model: PyTree, fragment: int) -> np.ndarray:
-        params = eqx.filter(model, eqx.is_inexact_array)
-        return np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in self.fragmenter.get(params, fragment)])
+        return fragment_vector(eqx.filter(model, eqx.is_inexact_array), self.fragmenter, fragment)
 
     def push(self, model: PyTree, fragment: int, *, tokens: int, steps_per_s: float | None = None) -> None:
         """Send `fragment`'s outer gradient (made from `tokens` tokens) in the background and return at once;

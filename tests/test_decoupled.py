@@ -12,6 +12,7 @@ import optax
 import pytest
 from sharded_util import CONFIG, R, batch, loss_fn, make_core, relative
 
+from benchmarks._elastic.observe import read_jsonl
 from eqx_diloco import schedule
 from eqx_diloco._fragments import Fragmenter
 from eqx_diloco._island import Island, fragment_vectors, install_fragment
@@ -361,22 +362,6 @@ def test_bad_decoupled_launcher_flags_are_refused_in_one_line(capsys, argv, matc
     assert match in err and len(err.splitlines()) == 1
 
 
-def _lines(path):
-    import json
-
-    try:
-        text = path.read_text()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
-
-
 def _wait_for(condition, timeout, what):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -404,11 +389,11 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def step_of(k):
-            return max((r["step"] for r in _lines(run / f"island-{k}" / "metrics.jsonl") if "loss" in r), default=0)
+            return max((r["step"] for r in read_jsonl(run / f"island-{k}" / "metrics.jsonl") if "loss" in r), default=0)
 
         _wait_for(lambda: step_of(1) >= 60, 120, "island 1 at step 60")
         os.kill(int((run / "island-1" / "pid").read_text()), signal.SIGKILL)
-        _wait_for(lambda: len(_lines(run / "syncer" / "metrics.jsonl")) >= 12
+        _wait_for(lambda: len(read_jsonl(run / "syncer" / "metrics.jsonl")) >= 12
                   and any((run / "syncer" / "checkpoints").glob("[0-9]*")), 120, "12 merges and a syncer checkpoint")
         os.kill(json.loads((run / "syncer" / "address.json").read_text())["pid"], signal.SIGKILL)
         output, _ = proc.communicate(timeout=300)
@@ -419,15 +404,15 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
     assert proc.returncode == 0, output
     assert "island 1 exited with -9; restart 1 of 1" in output and "syncer exited with -9; restart 1 of 1" in output
     for k in range(2):
-        records = _lines(run / f"island-{k}" / "metrics.jsonl")
+        records = read_jsonl(run / f"island-{k}" / "metrics.jsonl")
         assert max(r["step"] for r in records if "loss" in r) == steps
-    joins = [r for r in _lines(run / "island-1" / "metrics.jsonl") if r.get("joined")]
+    joins = [r for r in read_jsonl(run / "island-1" / "metrics.jsonl") if r.get("joined")]
     assert len(joins) == 2 and joins[1]["step"] > 0  # it rejoined where its newest sync left it
     assert json.loads((run / "syncer" / "address.json").read_text())["restored"] is not None
     summary = json.loads((run / "syncer" / "summary.json").read_text())
-    computed = 4 * 16 * sum(1 for k in range(2) for r in _lines(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
+    computed = 4 * 16 * sum(1 for k in range(2) for r in read_jsonl(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
     assert 0.5 * computed < summary["tokens_merged"] < computed  # the kills lost some work, not most of it
-    evals = [r["eval_loss"] for r in _lines(run / "metrics.jsonl")]
+    evals = [r["eval_loss"] for r in read_jsonl(run / "metrics.jsonl")]
     assert evals[-1] < 0.7 * evals[0]
 
 

@@ -15,9 +15,10 @@ class Failed(Exception):
     """The benchmark cannot go on (a wait timed out, the run ended early); the message says why."""
 
 
-def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
+def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The JSON lines of a log another process is writing: [] before it exists, a torn last line skipped."""
     try:
-        text = (run_dir / "metrics.jsonl").read_text()
+        text = path.read_text()
     except OSError:
         return []
     records = []
@@ -27,6 +28,10 @@ def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
         except ValueError:  # a line being written
             pass
     return records
+
+
+def read_records(run_dir: pathlib.Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def progress(run_dir: pathlib.Path, island: int) -> dict[str, Any] | None:
