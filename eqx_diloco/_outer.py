@@ -65,8 +65,8 @@ def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, s
     `values` is this device's list of arrays, each with a leading axis of its K local
     replicas, and `finite` (K,) whether each replica's values are all finite. With
     `skip_nonfinite` non-finite replicas are left out (if all are, the mean is zero).
-    `method` is a resolved `_exchange` method: `psum` is a float32 psum per leaf;
-    otherwise all leaves travel as one flat vector per replica (one payload, one padded tail).
+    `method` is a resolved `_exchange` method; all leaves travel as one flat vector per replica
+    (one float32 psum, or one payload with one padded tail).
 
     **Returns:** `(means, own_error)`: the replicated means (no replica axis), and each
     local replica's quantization error for error feedback (None for psum), zeroed where its
@@ -75,10 +75,14 @@ def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, s
     weight = finite.astype(jnp.float32) if skip_nonfinite else jnp.ones(finite.shape, jnp.float32)
     K = finite.shape[0]
     if method == "psum":
-        # Lossless: a float32 psum of each replica's values (zeroed if it is skipped).
-        totals = [exchange_sum(v.reshape(K, -1), weight, "none", method="psum")[0].reshape(v.shape[1:])
-                  for v in values]
-        own_error = None
+        # Lossless: one float32 psum of every leaf and a column of ones (zeroed where a replica is
+        # skipped, so its sum is the count). One collective, not one per leaf: across processes each
+        # costs a rendezvous, and with a dozen leaves those dominated a small model's sync.
+        flat = jnp.concatenate([v.reshape(K, -1) for v in values] + [jnp.ones((K, 1), jnp.float32)], axis=1)
+        total = exchange_sum(flat, weight, "none", method="psum")[0]
+        totals = unflatten_like(total[:-1], [v[0] for v in values])
+        count = jnp.maximum(total[-1], 1.0)
+        return [t / count for t in totals], None
     else:
         flat = jnp.concatenate([v.reshape(K, -1) for v in values], axis=1)
         total, error = exchange_sum(flat, weight, fmt, method=method)
@@ -102,8 +106,8 @@ def mean_outer_gradient(
     (K = R / mesh rows replicas per row); `global_values` and the returned mean are
     replicated. `finite` is (R,): whether each replica's outer gradient was finite. With
     `skip_nonfinite`, non-finite replicas are left out of the mean (if all are, the mean
-    is zero). `exchange` is the collective (see `_exchange`): `auto` is a float32 psum per
-    leaf for format `none` without top-k, the one-shot payload all-gather at R <= 2 and the two-phase
+    is zero). `exchange` is the collective (see `_exchange`): `auto` is one float32 psum of
+    all values for format `none` without top-k, the one-shot payload all-gather at R <= 2 and the two-phase
     reduce-scatter + all-gather at R > 2; `gather` or `two_phase` force one (also for
     format `none`, which tests use). `num_replicas` defaults to the mesh's rows (K = 1).
     `specs`: each value's PartitionSpec over the inner axes (a sharded island; None: replicated).

@@ -10,7 +10,9 @@ through the coordinator's key-value store, a host-side channel, and reads the ot
 That channel costs round trips to the coordinator over the same link as the syncs' bytes
 (where a request can also wait behind an outer gradient in the link's queue). So the
 exchange runs on a background thread (`ReplicaGather.submit`) and the training loop reads
-its result a few steps later (`--dist.metrics-lag`) instead of waiting for it every step.
+its result a few steps later (`--dist.metrics-lag`) instead of waiting for it every step, and
+several steps' values travel in one exchange (`submit_many`): each round costs a few
+milliseconds of coordinator calls, more than a small model's step.
 
 What a process publishes is `_wire`-encoded (raw array bytes under a JSON header), never pickled:
 anyone who can reach the coordinator's port could otherwise run code in every process.
@@ -99,6 +101,16 @@ class ReplicaGather:
         self.calls += 1
         return done
 
+    def submit_many(self, batch: list[dict[str, jax.Array]]) -> "list[Future[dict[str, np.ndarray]]]":
+        """Start the gathers of several dicts as one exchange: one round of key-value calls carries
+        them all, instead of a round per dict. The futures hold what `submit` would have returned
+        for each dict; every process must batch the same dicts together (the calls are matched by
+        a counter, as for `submit`)."""
+        if not batch:
+            return []
+        whole = self.submit({f"{i}/{name}": x for i, arrays in enumerate(batch) for name, x in arrays.items()})
+        return [_part_of(whole, i, list(arrays)) for i, arrays in enumerate(batch)]
+
     def _work(self, client) -> None:
         while True:
             done, call, rows, num_rows = self._jobs.get()
@@ -137,6 +149,21 @@ class ReplicaGather:
             if sorted(rows[name]) != list(range(n)):
                 raise RuntimeError(f"gathering {name!r}: the processes hold rows {sorted(rows[name])}, not 0..{n - 1}")
         return {name: np.stack([r[i] for i in sorted(r)]) for name, r in rows.items()}
+
+
+def _part_of(whole: Future, i: int, names: list[str]) -> Future:
+    """The future of dict `i` of a `submit_many` batch, resolved when the whole batch is."""
+    part: Future = Future()
+
+    def settle(done: Future) -> None:
+        if done.exception() is not None:
+            part.set_exception(done.exception())
+        else:
+            gathered = done.result()
+            part.set_result({name: gathered[f"{i}/{name}"] for name in names})
+
+    whole.add_done_callback(settle)
+    return part
 
 
 def _rows_payload(rows: dict[str, dict[int, np.ndarray]]) -> dict[str, dict[str, list]]:

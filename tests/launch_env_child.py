@@ -1,7 +1,9 @@
 """A stand-in trainer (`--module launch_env_child`) that prints, on stderr, the variable through which the
-launcher tells its processes about `--bandwidth` (the trainer's setup lines show it)."""
+launcher tells its processes about `--bandwidth` (the trainer's setup lines show it) and the CPUs it may run on."""
 
 import os
 import sys
 
 print(f"link={os.environ.get('EQX_DILOCO_LINK_LIMIT')}", file=sys.stderr)
+if hasattr(os, "sched_getaffinity"):
+    print(f"cpus={','.join(map(str, sorted(os.sched_getaffinity(0))))}", file=sys.stderr)

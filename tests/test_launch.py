@@ -231,3 +231,34 @@ def test_the_processes_learn_the_link_limit(tmp_path):
                            "--module", "launch_env_child"], env=env, capture_output=True, text=True, timeout=60,
                           check=False)
     assert proc.returncode == 0 and "link=800mbit" in proc.stderr, proc.stderr
+
+
+def _child_cpus(tmp_path, *launcher_flags: str) -> list[set[int]]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--log-dir", str(logs),
+                           *launcher_flags, "--module", "launch_env_child"], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = [next(line for line in (logs / f"process_{i}.log").read_text().splitlines() if line.startswith("cpus="))
+             for i in range(2)]
+    return [set(map(int, line.removeprefix("cpus=").split(","))) for line in lines]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs")
+def test_co_located_processes_get_their_own_cpus_unless_told_to_share(tmp_path):
+    mine = os.sched_getaffinity(0)
+    split = _child_cpus(tmp_path / "split")
+    assert split[0] and split[1] and not split[0] & split[1] and split[0] | split[1] == mine
+    assert _child_cpus(tmp_path / "shared", "--cpus", "shared") == [mine, mine]
+
+
+def test_cpu_shares_are_contiguous_and_as_equal_as_possible(monkeypatch):
+    from eqx_diloco.lm import _processes
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11}, raising=False)
+    assert _processes.cpu_shares(3) == [[0, 1, 2, 3], [4, 5, 6, 8], [9, 10, 11]]
+    assert _processes.cpu_shares(11) == [[c] for c in [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11]]
+    assert _processes.cpu_shares(12) is None  # fewer CPUs than processes: they share all of them
+    assert _processes.cpu_shares(1) is None

@@ -166,3 +166,26 @@ def test_a_missing_row_is_an_error_not_a_shorter_array(two_processes):
     two_processes.release(0, {"loss": {}})  # the peer publishes no row: row 1 would be missing
     with pytest.raises(RuntimeError, match=r"gathering 'loss': the processes hold rows \[0\], not 0..1"):
         future.result(timeout=10)
+
+
+def test_a_batch_travels_in_one_exchange_and_each_dict_gets_its_own_values(two_processes):
+    gather = ReplicaGather(timeout_s=30)
+    futures = gather.submit_many([{"loss": jnp.array([1.5, 0.0], jnp.float32)},
+                                  {"loss": jnp.array([2.5, 0.0], jnp.float32), "finite": jnp.array([True, False])}])
+    two_processes.release(0, {"0/loss": {1: np.float32(3.0)}, "1/loss": {1: np.float32(4.0)},
+                              "1/finite": {1: np.bool_(False)}})
+    first, second = (f.result(timeout=10) for f in futures)
+    # One key for the whole batch: one set and one get per peer, not one per dict.
+    assert sorted(two_processes.store) == ["eqx_diloco/replica_values/0/0", "eqx_diloco/replica_values/0/1"]
+    assert set(first) == {"loss"} and set(second) == {"loss", "finite"}
+    np.testing.assert_array_equal(first["loss"], [1.5, 3.0])
+    np.testing.assert_array_equal(second["loss"], [2.5, 4.0])
+    assert second["finite"].tolist() == [True, False]
+    assert gather.submit_many([]) == []
+
+
+def test_a_failed_batch_fails_every_dict_of_it(two_processes):
+    futures = ReplicaGather(timeout_s=0).submit_many([{"loss": jnp.array([1.0, 0.0], jnp.float32)}] * 3)
+    for future in futures:
+        with pytest.raises(TimeoutError, match="replica_values/0/1"):
+            future.result(timeout=10)

@@ -14,7 +14,8 @@ import jax
 import pytest
 
 from eqx_diloco.lm._banner import describe_setup, finished_message, format_summary, model_size
-from eqx_diloco.lm._cache import default_cache_dir, enable_compilation_cache
+from eqx_diloco.lm._cache import (default_cache_dir, enable_compilation_cache, every_process_writes,
+                                  let_every_process_write)
 from eqx_diloco.lm.config import Config, DiLoCoConfig, MeshConfig
 from eqx_diloco.lm.export import main as export_main
 from eqx_diloco.lm.train import main as train_main
@@ -72,13 +73,41 @@ def test_describe_setup_names_the_run():
     assert "packing      2 replicas per device (vmapped), too few devices for one each" in packed
 
 
-def test_the_cache_line_says_other_cpu_processes_compile_every_run(monkeypatch):
+@pytest.fixture
+def jax_cache_writer(monkeypatch):
+    """JAX's own cache writer for the test (whatever an earlier test installed), restored afterwards."""
+    from jax._src import compiler
+
+    writer = compiler._cache_write
+    monkeypatch.setattr(compiler, "_cache_write", getattr(writer, "jax_writer", writer))
+    return compiler
+
+
+def test_the_cache_line_says_whether_other_cpu_processes_compile_every_run(monkeypatch, jax_cache_writer):
     one = [line for line in describe_setup(Config()).splitlines() if line.startswith("  compilation")]
     assert one == [f"  compilation  cached in {jax.config.jax_compilation_cache_dir}"]
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # as process 0 of two sees it
     two = [line for line in describe_setup(Config()).splitlines() if line.startswith("  compilation")]
     assert two == [f"  compilation  cached in {jax.config.jax_compilation_cache_dir} (read back by process 0 only: "
                    "on CPU the other processes compile every run)"]
+    assert let_every_process_write()  # what a multi-process CPU run does once it has joined
+    two = [line for line in describe_setup(Config()).splitlines() if line.startswith("  compilation")]
+    assert two == one
+
+
+@pytest.mark.parametrize("every_process", [False, True])
+def test_a_process_other_than_0_writes_its_programs_only_where_every_process_may(monkeypatch, jax_cache_writer,
+                                                                               every_process):
+    from jax._src import distributed
+
+    if every_process:
+        assert let_every_process_write() and every_process_writes()
+    monkeypatch.setattr(distributed.global_state, "process_id", 1)  # as process 1 of a run sees itself
+    cache = pathlib.Path(jax.config.jax_compilation_cache_dir)
+    before = set(cache.iterdir())
+    unique = float(int.from_bytes(os.urandom(3), "little"))  # a program no earlier run compiled
+    jax.block_until_ready(jax.jit(lambda x: x * unique + 1.0)(jax.numpy.ones(3)))
+    assert bool({f for f in set(cache.iterdir()) - before if f.name.startswith("jit__lambda")}) == every_process
 
 
 def test_cli_prints_the_banner_first_and_writes_its_phases(tmp_path, capsys):

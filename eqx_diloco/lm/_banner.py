@@ -128,6 +128,8 @@ def runtime_lines(config) -> list[str]:
     processes and the compilation cache. Call after the devices are set up."""
     import jax
 
+    from ._cache import every_process_writes
+
     d = config.diloco
     devices = jax.devices()
     platform = devices[0].platform if devices else "none"
@@ -142,8 +144,8 @@ def runtime_lines(config) -> list[str]:
         islands = [f"  islands      {island_map(d.num_replicas, num_processes)}"]
     cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None
     cache = f"cached in {cache_dir}" if cache_dir else "persistent cache off"
-    if cache_dir and num_processes > 1 and platform == "cpu":
-        # JAX writes entries from process 0 only, and CPU cache keys differ per process (docs/results.md).
+    if cache_dir and num_processes > 1 and platform == "cpu" and not every_process_writes():
+        # JAX writes entries from process 0 only, and CPU cache keys differ per process (see _cache).
         cache += " (read back by process 0 only: on CPU the other processes compile every run)"
     return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config),
             *_compute_lines(config), f"  compilation  {cache}"]

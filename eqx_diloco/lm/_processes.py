@@ -157,6 +157,38 @@ def _die_with_launcher() -> Callable[[], None] | None:
     return preexec
 
 
+def cpu_shares(num_processes: int) -> list[list[int]] | None:
+    """This machine's CPUs (those the launcher may use) cut into `num_processes` contiguous shares,
+    as equal as possible; None where they cannot be split (fewer CPUs than processes, one process,
+    or no CPU affinity on this platform).
+
+    Co-located processes that each size their thread pools to the whole machine oversubscribe it:
+    XLA's CPU client starts a pool as large as the CPUs a process may use, so N processes on C cores
+    run N x C compute threads. With a share each, a process's pools match its share and its threads
+    stay on its cores."""
+    if num_processes < 2 or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < num_processes:
+        return None
+    base, extra = divmod(len(cpus), num_processes)
+    bounds = [i * base + min(i, extra) for i in range(num_processes + 1)]
+    return [cpus[bounds[i]:bounds[i + 1]] for i in range(num_processes)]
+
+
+def _pinned(preexec: Callable[[], None] | None, cpus: list[int] | None) -> Callable[[], None] | None:
+    """`preexec`, then (in the child, before it starts a thread) keep it on `cpus`."""
+    if cpus is None:
+        return preexec
+
+    def pin() -> None:
+        if preexec is not None:
+            preexec()
+        os.sched_setaffinity(0, cpus)
+
+    return pin
+
+
 def signal_group(p: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(p.pid, sig)
@@ -258,13 +290,16 @@ def spawn(
     logs: list[Path],
     env: list[dict[str, str]] | None = None,
     log_mode: str = "w",
+    split_cpus: bool = False,
 ) -> tuple[list[subprocess.Popen], Tee]:
     """Start the processes of one multi-process run (a fresh coordinator port) and tee process 0's stderr.
 
-    `env` adds variables per process; `log_mode` "a" appends to the logs (elastic generations).
+    `env` adds variables per process; `log_mode` "a" appends to the logs (elastic generations);
+    `split_cpus` gives each process its own share of the CPUs (`cpu_shares`), where they split.
     """
     port = free_port()
     preexec = _die_with_launcher()
+    shares = cpu_shares(num_processes) if split_cpus else None
     procs = []
     for i in range(num_processes):
         variables = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
@@ -275,7 +310,7 @@ def spawn(
         cmd = [*prefix, sys.executable, "-m", module, *flags]
         procs.append(subprocess.Popen(
             cmd, env=variables, stdout=out, stderr=subprocess.PIPE if i == 0 else subprocess.STDOUT,
-            start_new_session=True, preexec_fn=preexec, text=i == 0, errors="replace" if i == 0 else None,
+            start_new_session=True, preexec_fn=_pinned(preexec, shares[i] if shares else None), text=i == 0, errors="replace" if i == 0 else None,
         ))
         if out is not None:
             out.close()

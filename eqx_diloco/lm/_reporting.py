@@ -2,8 +2,9 @@
 with the other processes started), then emitted in order (checked, written to metrics.jsonl and
 TensorBoard, shown on the terminal).
 
-Across processes the exchange of step t's values runs in the background and is read
-`--dist.metrics-lag` steps later, so its round trips over a slow link do not delay every step."""
+Across processes the exchange of step t's values runs in the background, `--dist.metrics-lag`
+steps' values at a time, and is read that many steps later, so its round trips to the
+coordinator neither delay every step nor cost a round per step."""
 
 import collections
 import dataclasses
@@ -67,11 +68,16 @@ class Reporter:
     note: str | None = None
     # The first failed write (a full or read-only disk), if any: see `write`.
     log_error: LogWriteError | None = None
-    _inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
+    _inflight: collections.deque = dataclasses.field(default_factory=collections.deque)  # sent, not emitted
+    _unsent: list = dataclasses.field(default_factory=list)  # published, exchange not started
     _timer: tuple[float, int] = (0.0, 0)  # when the last logged step was read, and which step
 
     def __post_init__(self):
         self._timer = (time.perf_counter(), self.start_step)
+        # One compiled call per logged step, not the schedule's several eager operations; compiled
+        # here, before training, so the first logged step does not pay for it.
+        self._lr = jax.jit(self.lr_schedule)
+        self._lr(self.start_step)
 
     def write(self, record: dict[str, Any]) -> None:
         """One record into metrics.jsonl (non-finite numbers as null) and the TensorBoard events.
@@ -90,8 +96,8 @@ class Reporter:
         self._timer = (time.perf_counter(), self._timer[1])
 
     def publish(self, pending: dict[str, Any]) -> None:
-        """Read step t's values on this process (waits for step t) and start their exchange with
-        the other processes, which `flush` waits for."""
+        """Read step t's values on this process (waits for step t); their exchange with the other
+        processes starts with the next `lag` steps' (or at the next full `flush`)."""
         arrays = dict(pending["metrics"])
         if pending["finite"] is not None:
             arrays["sync_finite"] = pending["finite"]
@@ -100,14 +106,27 @@ class Reporter:
         global_finite = pending["global_finite"]
         if global_finite is not None and global_finite.ndim == 1:  # one flag per replica row
             arrays["global_finite"] = global_finite
-        self._inflight.append(dict(pending, gathered=self.gather.submit(arrays), read_at=time.perf_counter()))
+        jax.block_until_ready(arrays)  # step t is done here: its time is now, not when its exchange ends
+        self._unsent.append((dict(pending, read_at=time.perf_counter()), arrays))
+        if len(self._unsent) >= max(1, self.lag):
+            self._send()
+
+    def _send(self) -> None:
+        """Start one exchange for every published step not yet sent."""
+        futures = self.gather.submit_many([arrays for _, arrays in self._unsent])
+        self._inflight.extend(dict(pending, gathered=f) for (pending, _), f in zip(self._unsent, futures))
+        self._unsent = []
 
     def flush(self, keep: int = 0) -> None:
-        """Emit the published steps, oldest first, until at most `keep` remain in flight.
+        """Emit the published steps, oldest first, until at most `keep` sent ones remain in flight
+        (`keep` = 0: every published step, its exchange started now if it was not yet).
 
-        Every process emits the same steps at the same point of the loop (the count decides, not
-        which exchanges happen to have finished), so decisions taken from the gathered values (an
-        agreed stop, a re-form) fall on the same step everywhere."""
+        Published steps are sent `lag` at a time, so a step's values are read between `lag` and
+        `2 lag - 1` steps after it. Every process emits the same steps at the same point of the
+        loop (the counts decide, not which exchanges happen to have finished), so decisions taken
+        from the gathered values (an agreed stop, a re-form) fall on the same step everywhere."""
+        if keep == 0 and self._unsent:
+            self._send()
         while len(self._inflight) > keep:
             self._emit(self._inflight.popleft())
 
@@ -155,7 +174,7 @@ class Reporter:
             "time": now - self.start_time,
             "loss": float(np.mean(replica_losses)),
             "replica_losses": replica_losses,
-            "lr": float(self.lr_schedule(t - 1)),
+            "lr": float(self._lr(t - 1)),
             "grad_norm": float(np.mean(m["grad_norm"])),
             "tokens_per_s": tokens_per_s,
             "sent_bytes": pending["sent"],

@@ -87,7 +87,8 @@ def write_progress(directory: Path, t: int) -> None:
 
 
 def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth: str | None, log_dir: Path,
-                   grace_s: float, max_restarts: int, rejoin_after_s: float, drain_s: float, min_replicas: int) -> int:
+                   grace_s: float, max_restarts: int, rejoin_after_s: float, drain_s: float, min_replicas: int,
+                   split_cpus: bool = True) -> int:
     """Run one island per process (`--num-processes` of them, with the launcher's flags); a lost
     island re-forms the run with the others. Returns the launcher's exit code."""
     policy = ElasticPolicy(max_restarts=max_restarts, rejoin_after_s=rejoin_after_s, drain_s=drain_s,
@@ -99,7 +100,7 @@ def launch_elastic(num_islands: int, flags: list[str], *, module: str, bandwidth
     log_dir.mkdir(parents=True, exist_ok=True)
     with link(bandwidth) as prefix:
         return ElasticLauncher(num_islands, flags, module=module, prefix=prefix, log_dir=log_dir, run_dir=run_dir,
-                               policy=policy, grace_s=grace_s, env=link_env(bandwidth)).run()
+                               policy=policy, grace_s=grace_s, env=link_env(bandwidth), split_cpus=split_cpus).run()
 
 
 @dataclasses.dataclass
@@ -154,8 +155,10 @@ class ElasticLauncher:
     """Runs generations until the run finishes, fails, or too few islands are left."""
 
     def __init__(self, num_islands: int, flags: list[str], *, module: str, prefix: list[str], log_dir: Path,
-                 run_dir: Path, policy: ElasticPolicy, grace_s: float, env: dict[str, str] | None = None):
+                 run_dir: Path, policy: ElasticPolicy, grace_s: float, env: dict[str, str] | None = None,
+                 split_cpus: bool = True):
         self.num_islands, self.flags, self.module, self.prefix = num_islands, flags, module, prefix
+        self.split_cpus = split_cpus  # each generation's islands split the CPUs among them
         self.env = env or {}  # for every island of every generation
         self.generations: list[Generation] = []
         self.log_dir, self.run_dir, self.policy, self.grace_s = log_dir, run_dir, policy, grace_s
@@ -229,7 +232,7 @@ class ElasticLauncher:
         started = time.time()
         self.generations.append(Generation(islands, self._next_start, started))
         self.procs, self.tee = spawn(n, flags, module=self.module, prefix=self.prefix, logs=logs, env=env,
-                                     log_mode="a")
+                                     log_mode="a", split_cpus=self.split_cpus)
         self._unlogged, self.events = self.events, []  # logged by the generation once it trains
         self._started = started
         asked_to_reform = False

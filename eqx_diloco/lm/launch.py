@@ -82,8 +82,12 @@ def launch(
     bandwidth: str | None,
     log_dir: Path,
     grace_s: float = 30.0,
+    split_cpus: bool = True,
 ) -> int:
     """Run the processes to the end. Returns the exit code for the launcher.
+
+    With `split_cpus` each process gets its own share of this machine's CPUs (see
+    `_processes.cpu_shares`; off where there are fewer CPUs than processes).
 
     SIGINT is forwarded as SIGINT; SIGTERM and SIGHUP are forwarded as SIGTERM (the signal
     the trainer answers by saving and stopping). Processes still running `grace_s` seconds
@@ -95,11 +99,11 @@ def launch(
         return 2
     with link(bandwidth) as prefix:
         return _launch(num_processes, flags, module=module, prefix=prefix, log_dir=log_dir, grace_s=grace_s,
-                       env=link_env(bandwidth))
+                       env=link_env(bandwidth), split_cpus=split_cpus)
 
 
 def _launch(num_processes: int, flags: list[str], *, module: str, prefix: list[str], log_dir: Path,
-            grace_s: float, env: dict[str, str]) -> int:
+            grace_s: float, env: dict[str, str], split_cpus: bool) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     logs = [log_dir / f"process_{i}.log" for i in range(num_processes)]
@@ -108,7 +112,8 @@ def _launch(num_processes: int, flags: list[str], *, module: str, prefix: list[s
     tee = None
     try:
         with LauncherSignals() as signals:
-            procs, tee = spawn(num_processes, flags, module=module, prefix=prefix, logs=logs, env=env)
+            procs, tee = spawn(num_processes, flags, module=module, prefix=prefix, logs=logs, env=env,
+                               split_cpus=split_cpus)
             return _supervise(procs, logs, markers, tee, signals, grace_s)
     finally:
         stop_all(procs)
@@ -230,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                              "when the run succeeds)")
     parser.add_argument("--grace-s", type=float, default=30.0,
                         help="after forwarding SIGTERM/SIGHUP/SIGINT, seconds to wait before killing the processes")
+    parser.add_argument("--cpus", choices=["split", "shared"], default="split",
+                        help="split: each process runs on its own contiguous share of this machine's CPUs, so "
+                             "their compute thread pools do not oversubscribe the cores (where there are at least "
+                             "as many CPUs as processes); shared: every process may use every CPU")
     elastic = parser.add_argument_group(
         "elastic islands (with --elastic.enabled among the trainer flags: one process per island; a lost island "
         "re-forms the run with the others from their newest sync boundary)")
@@ -292,10 +301,11 @@ def main(argv: list[str] | None = None) -> int:
 
         code = launch_elastic(args.num_processes, flags, module=args.module, bandwidth=args.bandwidth,
                               log_dir=log_dir, grace_s=args.grace_s, max_restarts=args.max_restarts,
-                              rejoin_after_s=args.rejoin_after_s, drain_s=args.drain_s, min_replicas=min_replicas)
+                              rejoin_after_s=args.rejoin_after_s, drain_s=args.drain_s, min_replicas=min_replicas,
+                              split_cpus=args.cpus == "split")
     else:
         code = launch(args.num_processes, flags, module=args.module, bandwidth=args.bandwidth, log_dir=log_dir,
-                      grace_s=args.grace_s)
+                      grace_s=args.grace_s, split_cpus=args.cpus == "split")
     if args.log_dir is None and (code == 0 or not any(log_dir.iterdir())):
         shutil.rmtree(log_dir, ignore_errors=True)  # a default folder is only kept to explain a failure
     elif code != 0:

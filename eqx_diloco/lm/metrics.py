@@ -151,8 +151,10 @@ class ProgressDisplay:
             self._progress.update(self._task, completed=step, status=status)
 
     def log(self, line: str) -> None:
-        if self.enabled:
+        if self.interactive:  # above the progress bar
             self.console.print(line, highlight=False)
+        elif self.enabled:  # a log file or pipe: the line as it is (rich would parse and wrap it)
+            print(line, file=self.console.file, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:
