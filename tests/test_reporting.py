@@ -2,10 +2,11 @@
 values travel `--dist.metrics-lag` steps at a time, one exchange per batch, and every step is
 still emitted, in order, no earlier than `lag` steps after it was published."""
 
+from concurrent.futures import Future
+
 import numpy as np
 import optax
 import pytest
-from concurrent.futures import Future
 
 from eqx_diloco.lm._finite import FiniteChecks
 from eqx_diloco.lm._reporting import Reporter
