@@ -8,8 +8,7 @@ and checkpoint wiring. The LM trainer (`eqx_diloco.Trainer`) is one client of it
 Host-side bookkeeping: a sync launched with overlap (tau > 0) runs in the background and
 its result is installed tau steps later. Those in-flight results live in this object (one
 `SyncGroup` per parameter group holds its own), not in the state, and the state always
-*reads* as if syncs were blocking once `settle` has run; `save` and `global_model` do that
-for you.
+*reads* as if syncs were blocking once `settle` has run (`save` and `global_model` do that).
 """
 
 import functools
@@ -25,6 +24,7 @@ from jaxtyping import Array, PRNGKeyArray
 from . import schedule
 from ._arguments import check_arguments, check_batch
 from ._codec import Codec
+from ._compile_ahead import compile_outer_ahead
 from ._errors import ConfigError
 from ._mesh import as_full_mesh, build_meshes
 from ._persistence import Persistence
@@ -305,6 +305,10 @@ class DiLoCo(Results, Persistence, Traffic):
     def router_due(self, t: int) -> bool:
         """Whether the router group takes its own outer step after step t."""
         return self.router_group is not None and self._sync_groups[self.router_group].syncs_after(t)
+
+    def compile_outer_ahead(self, state: TrainState) -> None:
+        """Compile every group's sync programs for `state` now, not at its first sync mid-run."""
+        compile_outer_ahead(self, state)
 
     # -- stepping ----------------------------------------------------------------------------
 

@@ -61,7 +61,8 @@ from ._codec import as_codec
 from ._exchange import resolve_method, sent_values
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
-from ._outer import compile_install_ahead, move_to_mesh, replica_mean, unflatten_like
+from ._compile_ahead import compile_install_ahead
+from ._outer import move_to_mesh, replica_mean, unflatten_like
 from ._sharding import all_rows_finite, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
 

@@ -17,7 +17,6 @@ group is H steps later), so the global params themselves hold the in-flight resu
 """
 
 import dataclasses
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -27,6 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
+from ._compile_ahead import compile_install_ahead
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
@@ -181,29 +181,6 @@ def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
         return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
 
     return jax.tree.map(move, tree)
-
-
-_compiled_ahead: "weakref.WeakSet[Callable]" = weakref.WeakSet()  # install programs compiled by the function below
-
-
-def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple, mesh: Mesh) -> None:
-    """Compile the jitted `install(state, *arriving)` now (once), for values that will arrive on `mesh`.
-
-    A launched exchange is installed tau steps (or a whole round) later. Compiling its
-    install program at that first install would stall the host there, while the devices
-    run dry, and in a multi-process run the other processes wait for this one: the stall
-    lands mid-run, after the warm-up. The launch is a first-call compile point anyway.
-    `jit(f).lower(...).compile()` fills the cache that the later call `f(...)` uses.
-    """
-    if install in _compiled_ahead:  # one program per group and object: its shapes never change
-        return
-    arrived = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec),
-                                       weak_type=x.weak_type),  # a weak leaf would be another program
-        arriving,
-    )
-    install.lower(state, *arrived).compile()
-    _compiled_ahead.add(install)
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from models import Transformer
+from models import Transformer, TransformerConfig
 from models.transformer import lm_loss
 
 from .._diloco import DiLoCo
@@ -17,6 +17,13 @@ from .._state import TrainState
 from ._devices import make_meshes
 from .config import Config, ConfigError, flag_names
 from .optimizers import inner_optimizer, outer_optimizer
+
+
+@eqx.filter_jit
+def new_model(config: TransformerConfig, key) -> Transformer:
+    """A freshly initialised model, built by one compiled program: built eagerly, each of its
+    initialisers' operations is a program of its own, dozens to compile on a cold start."""
+    return Transformer(config, key=key)
 
 
 def global_model(state: TrainState) -> Transformer:

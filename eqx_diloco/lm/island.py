@@ -24,7 +24,7 @@ from models import Transformer
 
 from .._island import Island, adaptive_sync_period
 from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
-from ._core import lm_objective
+from ._core import lm_objective, new_model
 from ._devices import slowdown_s
 from .config import Config, ConfigError
 from .data import TokenBatches, load_tokens
@@ -49,7 +49,7 @@ def shared_token(config: Config) -> str:
 def initial_model(config: Config) -> Transformer:
     """The model every island and the syncer start from (the trainer's initialisation)."""
     model_key, _ = jax.random.split(jax.random.key(config.train.seed))
-    return Transformer(config.model, key=model_key)
+    return new_model(config.model, model_key)
 
 
 def _make_step(static, optimizer: optax.GradientTransformation, dropout: float):

@@ -1,9 +1,8 @@
 """The host loop: dispatch steps, run outer syncs on schedule; evaluation and checkpoints are
 `Hook`s, reporting is the `Reporter`'s, signals are `StopSignals`'.
 
-Step t+1 is dispatched before step t's values are read (so the host never idles the devices while
-it formats a log line); only evaluations, checkpoints and the end block.
-"""
+Step t+1 is dispatched before step t's values are read (the host never idles the devices while it
+formats a log line); only evaluations, checkpoints and the end block."""
 
 import dataclasses
 import signal
@@ -24,7 +23,7 @@ from .._replica_values import ReplicaGather, replicated_value
 from .._state import TrainState
 from .._tree import row_finite
 from ._banner import finished_message, format_summary
-from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, place
+from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
 from ._devices import fail_for_test, slow_down, slowdown_s
 from ._finite import FiniteChecks, all_finite
 from ._hooks import Hook
@@ -175,7 +174,7 @@ class Trainer:
                 self.superseded = self.checkpointer.supersede(step)
             return state, step
         model_key, replica_key = jax.random.split(jax.random.key(self.config.train.seed))
-        return self.core.init(Transformer(self.config.model, key=model_key), key=replica_key), 0
+        return self.core.init(new_model(self.config.model, model_key), key=replica_key), 0
 
     def run(self) -> dict[str, Any]:
         """Train to `--train.steps`. Returns a summary (final eval loss, bytes, steps/s).
@@ -311,8 +310,9 @@ class Trainer:
         if self._show:
             self._reporter.display.log("compiling the step programs..." + (" (cached programs load fast)" if start else ""))
             self._reporter.display.update(start, "compiling...")
-        if self.diloco:  # the global model's finite check, first read a round or two in: compiled now
+        if self.diloco:  # the syncs and the global model's finite check, first run a round in: compiled now
             self.global_finite.lower(state.global_params).compile()
+            self.core.compile_outer_ahead(state)
         if start == 0 and self.config.train.eval_every:
             state = self._evaluate(state, 0)
         return state
