@@ -202,3 +202,31 @@ def test_readme_library_example_runs_as_written(tmp_path):
     assert printed, f"the example no longer prints its held-out error: {result.stdout[-2000:]}"
     mse, baseline = float(printed.group(1)), float(printed.group(2))
     assert baseline > 0.3 and mse <= 0.5 * baseline, (mse, baseline)
+
+
+@pytest.mark.parametrize("overlap_steps", [0, 1], ids=["tau0", "tau1"])
+def test_syncs_compiled_ahead_compile_nothing_at_their_first_round(overlap_steps):
+    """`compile_outer_ahead` compiles (or loads) every fragment's sync programs before training, so
+    the step that reaches a fragment's first sync lowers and compiles nothing."""
+    lowered = []
+
+    def listen(event, duration, **kwargs):
+        if event.endswith("jaxpr_to_mlir_module_duration"):  # one per program lowered
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        diloco = DiLoCo(loss_fn=loss_fn, layers=lambda model: model.blocks, num_replicas=2, sync_period=4,
+                        inner_optimizer=optax.adamw(3e-3), outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+                        num_fragments=2, overlap_steps=overlap_steps, alpha=0.5)
+        state = diloco.init(StackedMLP(key=jax.random.key(0)))
+        state, _ = diloco.step(state, make_batch(0, 2))  # the step program, compiled at its first call
+        diloco.compile_outer_ahead(state)
+        lowered.clear()
+        for step in range(1, 8):  # each fragment's first sync (t = 2 and 4) and, with tau = 1, its merge
+            state, metrics = diloco.step(state, make_batch(step, 2))
+        state, _ = diloco.settle(state)
+        jax.block_until_ready(state)
+        assert lowered == [], f"{len(lowered)} programs were lowered after compile_outer_ahead"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
