@@ -14,7 +14,9 @@ Measured: wall time from process start to exit of the whole command (torchft: it
 `run.sh`, which starts a Lighthouse too; eqx_diloco: `python -m eqx_diloco.launch` or
 `.train`), and tokens/s per replica after step 10 (torchft: its `summary.json`, from its
 step times; eqx_diloco: from the metrics' timestamps of steps 10 and 200, which include
-host work between steps). The eqx_diloco compilation cache is warm after the first repeat.
+host work between steps). Before the repeats each eqx_diloco config runs once untimed, so every
+timed run finds its programs in the compilation cache (warm; `--no-warm-up` times the first
+repeat as it comes).
 The table gives eqx/torchft ratios, mean +- sd over repeats, and the load average.
 
 torch is never a dependency of this project: install the peer as its README says
@@ -91,8 +93,15 @@ def timed(cmd: list[str], env: dict, log: Path) -> float:
     return time.perf_counter() - start
 
 
+def eqx_command(name: str, corpus: Path, run_dir: Path) -> list[str]:
+    _, _, eqx_flags, processes = CONFIGS[name]
+    entry = ["-m", "eqx_diloco.launch", "--num-processes", str(processes), "--"] if processes > 1 else \
+        ["-m", "eqx_diloco.train"]
+    return [sys.executable, *entry, *EQX_FLAGS, "--data.path", str(corpus), *eqx_flags, "--run-dir", str(run_dir)]
+
+
 def run_pair(name: str, python: str, corpus: Path, work: Path) -> dict:
-    peer_mode, peer_flags, eqx_flags, processes = CONFIGS[name]
+    peer_mode, peer_flags, _, _ = CONFIGS[name]
     out = work / "torchft"
     env = dict(os.environ, PEER_PYTHON=python)
     torch_wall = timed(["bash", str(PEER / "run.sh"), *peer_mode, "--out", str(out), "--",
@@ -100,10 +109,7 @@ def run_pair(name: str, python: str, corpus: Path, work: Path) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     torch_tps = sum(summary["tokens_per_s_per_replica"]) / len(summary["tokens_per_s_per_replica"])
     run_dir = work / "eqx"
-    entry = ["-m", "eqx_diloco.launch", "--num-processes", str(processes), "--"] if processes > 1 else \
-        ["-m", "eqx_diloco.train"]
-    eqx_wall = timed([sys.executable, *entry, *EQX_FLAGS, "--data.path", str(corpus), *eqx_flags,
-                      "--run-dir", str(run_dir)], dict(os.environ), work / "eqx.log")
+    eqx_wall = timed(eqx_command(name, corpus, run_dir), dict(os.environ), work / "eqx.log")
     return {"torchft": {"wall_s": torch_wall, "tokens_per_s_per_replica": torch_tps},
             "eqx_diloco": {"wall_s": eqx_wall, "tokens_per_s_per_replica": eqx_tokens_per_s(run_dir / "metrics.jsonl")},
             "load_average": os.getloadavg()}
@@ -139,6 +145,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="do not run each eqx_diloco config once untimed first (the first repeat may compile)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1 (got {args.repeats})")
@@ -154,6 +162,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="vs_torchft_") as tmp:
         corpus = Path(tmp) / "corpus"
         shutil.copytree(CORPUS, corpus, symlinks=False)  # the same files for both, links resolved
+        for name in args.only if args.warm_up else []:
+            print(f"warming the compilation cache: {name}", flush=True)
+            timed(eqx_command(name, corpus, Path(tmp) / f"warm_{name}"), dict(os.environ), Path(tmp) / "warm.log")
         for repeat in range(args.repeats):
             for name in args.only:
                 work = Path(tmp) / f"{name}_{repeat}"
@@ -165,7 +176,7 @@ def main(argv=None) -> int:
     summary = {name: summarize(pairs) for name, pairs in results.items()}
     if args.json:
         common.write_json(args.json, {"revision": common.revision(), "steps": STEPS, "timed_after_step": SKIP,
-                                      "configs": summary})
+                                      "warm_up": args.warm_up, "configs": summary})
     print(render(summary))
     return 0
 
