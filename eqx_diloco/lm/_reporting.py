@@ -88,7 +88,8 @@ class Reporter:
         block, values = self._lr_values
         if block != step // LR_BLOCK:
             block = step // LR_BLOCK
-            values = np.asarray(self._lr_block(np.arange(block * LR_BLOCK, (block + 1) * LR_BLOCK)))
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and integer counts
+                values = np.asarray(self._lr_block(np.arange(block * LR_BLOCK, (block + 1) * LR_BLOCK)))
             self._lr_values = (block, values)
         return float(values[step % LR_BLOCK])
 
