@@ -41,6 +41,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
 from benchmarks import _common as common
 
 PEER = common.REPO.parent / "shared" / "peers" / "torchft"
@@ -84,6 +86,20 @@ def eqx_tokens_per_s(metrics: Path) -> float:
     return (STEPS - SKIP) * TOKENS_PER_STEP / (times[STEPS] - times[SKIP])
 
 
+def eqx_step_spread(metrics: Path) -> dict:
+    """eqx_diloco's step times after step 1 (from the metrics' timestamps, log-every 1): the median, and
+    the slowest step that synced and the slowest that did not, each as a multiple of the median."""
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "time" in r and "loss" in r]
+    by_step = {r["step"]: r for r in records}
+    steps = [t for t in range(2, STEPS + 1) if t in by_step and t - 1 in by_step]
+    took = {t: by_step[t]["time"] - by_step[t - 1]["time"] for t in steps}
+    median = float(np.median(list(took.values())))
+    synced = [took[t] for t in steps if by_step[t].get("synced_fragment") is not None]
+    plain = [took[t] for t in steps if by_step[t].get("synced_fragment") is None]
+    return {"median_step_s": median, "slowest_sync_step_x": max(synced, default=0.0) / median,
+            "slowest_other_step_x": max(plain, default=0.0) / median}
+
+
 def timed(cmd: list[str], env: dict, log: Path) -> float:
     start = time.perf_counter()
     with log.open("w") as out:
@@ -111,7 +127,8 @@ def run_pair(name: str, python: str, corpus: Path, work: Path) -> dict:
     run_dir = work / "eqx"
     eqx_wall = timed(eqx_command(name, corpus, run_dir), dict(os.environ), work / "eqx.log")
     return {"torchft": {"wall_s": torch_wall, "tokens_per_s_per_replica": torch_tps},
-            "eqx_diloco": {"wall_s": eqx_wall, "tokens_per_s_per_replica": eqx_tokens_per_s(run_dir / "metrics.jsonl")},
+            "eqx_diloco": {"wall_s": eqx_wall, "tokens_per_s_per_replica": eqx_tokens_per_s(run_dir / "metrics.jsonl"),
+                           **eqx_step_spread(run_dir / "metrics.jsonl")},
             "load_average": os.getloadavg()}
 
 
@@ -119,7 +136,8 @@ def summarize(pairs: list[dict]) -> dict:
     """eqx/torchft ratios over repeats: wall time (lower is better for eqx) and tokens/s."""
     wall = [p["eqx_diloco"]["wall_s"] / p["torchft"]["wall_s"] for p in pairs]
     tps = [p["eqx_diloco"]["tokens_per_s_per_replica"] / p["torchft"]["tokens_per_s_per_replica"] for p in pairs]
-    return {"wall_ratio": common.mean_sd(wall), "tokens_per_s_ratio": common.mean_sd(tps), "repeats": pairs}
+    spread = {k: max(p["eqx_diloco"].get(k, 0.0) for p in pairs) for k in ("slowest_sync_step_x", "slowest_other_step_x")}
+    return {"wall_ratio": common.mean_sd(wall), "tokens_per_s_ratio": common.mean_sd(tps), **spread, "repeats": pairs}
 
 
 def render(results: dict[str, dict]) -> str:
@@ -128,12 +146,14 @@ def render(results: dict[str, dict]) -> str:
 
     rows = [{"config": name, "torch_wall": [p["torchft"]["wall_s"] for p in r["repeats"]],
              "eqx_wall": [p["eqx_diloco"]["wall_s"] for p in r["repeats"]], "wall": r["wall_ratio"],
-             "tps": r["tokens_per_s_ratio"], "load": [p["load_average"][0] for p in r["repeats"]]}
+             "tps": r["tokens_per_s_ratio"], "load": [p["load_average"][0] for p in r["repeats"]],
+             "spread": (r.get("slowest_sync_step_x", 0.0), r.get("slowest_other_step_x", 0.0))}
             for name, r in results.items()]
     seconds = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
     return common.markdown_table(rows, [
         ("config", "config", None), ("torchft wall s", "torch_wall", seconds), ("eqx wall s", "eqx_wall", seconds),
         ("wall eqx/torchft", "wall", pm), ("tokens/s per replica eqx/torchft", "tps", pm),
+        ("eqx slowest step / median: sync, other", "spread", lambda v: f"{v[0]:.1f}x, {v[1]:.1f}x"),
         ("load average (1 min)", "load", lambda v: ", ".join(f"{x:.2f}" for x in v)),
     ])
 

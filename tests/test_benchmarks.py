@@ -248,4 +248,11 @@ def test_vs_torchft_says_when_torchft_is_missing_and_computes_its_ratios(tmp_pat
              for w, t in ((10.0, 50.0), (5.0, 150.0))]
     out = vs_torchft.summarize(pairs)
     assert out["wall_ratio"]["values"] == [2.0, 1.0] and out["tokens_per_s_ratio"]["values"] == [0.5, 1.5]
-    assert "| diloco | 5.0, 5.0 | 10.0, 5.0 | 1.50 +- 0.71 | 1.00 +- 0.71 | 0.50, 0.50 |" in vs_torchft.render({"diloco": out})
+    assert "| diloco | 5.0, 5.0 | 10.0, 5.0 | 1.50 +- 0.71 | 1.00 +- 0.71 | 0.0x, 0.0x | 0.50, 0.50 |" in \
+        vs_torchft.render({"diloco": out})
+    # The slowest steps, as multiples of the median step: one sync step of 2 s, one other step of 1.5 s.
+    records = [{"step": s, "loss": 1.0, "time": 0.5 * s + (1.5 if s >= 50 else 0) + (1.0 if s >= 100 else 0),
+                "synced_fragment": 0 if s == 100 else None} for s in range(1, 201)]
+    metrics.write_text("\n".join(json.dumps(r) for r in records))
+    spread = vs_torchft.eqx_step_spread(metrics)
+    assert spread == {"median_step_s": 0.5, "slowest_sync_step_x": 3.0, "slowest_other_step_x": 4.0}
