@@ -28,8 +28,24 @@ def check_topk(topk: float | None, chunk: int) -> str | None:
     return None
 
 
+def processes_per_island(num_replicas: int, num_processes: int) -> int:
+    """1 where every process holds whole replicas (the process count divides R), else S, the processes
+    each island spans (R divides the process count: island i is processes i S .. i S + S - 1)."""
+    if num_replicas % num_processes == 0:
+        return 1
+    _require(num_processes % num_replicas == 0,
+             f"num_replicas and the process count must divide one another: every process holds whole replicas, "
+             f"or every island spans whole processes (got {num_replicas} replicas and {num_processes} processes)")
+    return num_processes // num_replicas
+
+
 def check_replicas_per_process(num_replicas: int, num_processes: int, replicas_per_device: int | None) -> None:
-    """`replicas_per_device` (None: automatic) must divide each process's R / processes replicas."""
+    """`replicas_per_device` (None: automatic) must divide each process's R / processes replicas; an
+    island spanning processes holds one replica per row."""
+    if processes_per_island(num_replicas, num_processes) > 1:
+        _require(replicas_per_device in (None, 1), f"replicas_per_device must be 1 when an island spans processes "
+                 f"({num_replicas} replicas on {num_processes} processes; got {replicas_per_device})")
+        return
     local_replicas = num_replicas // num_processes
     _require(replicas_per_device is None or local_replicas % replicas_per_device == 0,
              f"replicas_per_device must divide the replicas of each process (got {replicas_per_device} and "

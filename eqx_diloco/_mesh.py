@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from ._arguments import check_replicas_per_process
+from ._arguments import check_replicas_per_process, processes_per_island
 from ._errors import ConfigError
 
 AXES = ("diloco", "data", "fsdp", "tensor")
@@ -109,7 +109,10 @@ def build_meshes(
 
     **Arguments:**
 
-    - `num_replicas`: R, replicas in all; must be divisible by the process count.
+    - `num_replicas`: R, replicas in all. The process count divides it (every process holds
+      R / processes whole replicas), or it divides the process count: then each island spans
+      S = processes / R processes, `data x fsdp x tensor / S` devices of each (island i on
+      processes i S .. i S + S - 1), and has no communication device.
     - `data`: devices per row on the `data` axis.
     - `fsdp`, `tensor`: devices per row on the `fsdp` and `tensor` axes (a sharded island);
       with either above 1 a row holds one replica and has no communication device (`on` is
@@ -136,12 +139,12 @@ def build_meshes(
         comm_device, replicas_per_device = "off", 1
     R, D = num_replicas, data * fsdp * tensor
     num_processes = jax.process_count()
-    if R % num_processes:
-        raise ConfigError(f"num_replicas must be divisible by the process count (got {R} and {num_processes})")
-    local_replicas = R // num_processes
     check_replicas_per_process(R, num_processes, replicas_per_device)
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
                   for p in range(num_processes)]
+    if (S := processes_per_island(R, num_processes)) > 1:
+        return _island_over_processes(by_process, S, data, fsdp, tensor, comm_device), None
+    local_replicas = R // num_processes
     have = min(len(devices) for devices in by_process)
     platform = by_process[0][0].platform
     comm_wanted = comm_device == "on" or (comm_device == "auto" and platform == "cpu")
@@ -176,3 +179,23 @@ def build_meshes(
     mesh = Mesh(np.concatenate(compute_rows), AXES, axis_types=auto)
     comm_mesh = Mesh(np.concatenate(comm_rows), AXES, axis_types=auto) if comm else None
     return mesh, comm_mesh
+
+
+def _island_over_processes(by_process: list[list], S: int, data: int, fsdp: int, tensor: int,
+                           comm_device: str) -> Mesh:
+    """The compute mesh when each island spans `S` processes: row i is the first devices of processes
+    i S .. i S + S - 1, in process order (so a process holds one contiguous block of the row)."""
+    D, platform = data * fsdp * tensor, by_process[0][0].platform
+    if D % S:
+        raise ConfigError(f"an island spanning {S} processes needs data_parallel x fsdp x tensor divisible by {S} "
+                          f"(got {D}): each process holds an equal share of its island's devices")
+    if comm_device == "on":
+        raise ConfigError(f"comm_device on needs whole islands per process (each island spans {S} processes): it "
+                          f"runs its syncs on its own devices")
+    for p, devices in enumerate(by_process):
+        if len(devices) < D // S:
+            raise too_few_devices(D // S, process=p, have=len(devices), platform=platform, comm=False,
+                                  local_replicas=1, row=f"data_parallel x fsdp x tensor / {S} processes")
+    rows = [np.concatenate([by_process[i * S + j][: D // S] for j in range(S)]).reshape(1, data, fsdp, tensor)
+            for i in range(len(by_process) // S)]
+    return Mesh(np.concatenate(rows), AXES, axis_types=(AxisType.Auto,) * len(AXES))

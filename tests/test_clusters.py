@@ -76,8 +76,9 @@ def test_a_one_task_allocation_is_a_single_process_run(monkeypatch):
 
 def test_replicas_that_do_not_split_over_the_tasks_name_the_cluster(monkeypatch):
     _set(monkeypatch, slurm_env(1234, 3, 0))
-    with pytest.raises(ConfigError, match=r"multiple of the process count 3 \(from --dist.num-processes, here from "
-                                          r"slurm through JAX's cluster detection; got 2\)"):
+    with pytest.raises(ConfigError, match=r"--diloco.num-replicas and the process count 3 \(from --dist.num-processes, "
+                                          r"here from slurm through JAX's cluster detection; got 2 replicas\) must "
+                                          r"divide one another"):
         devices_needed(Config())
 
 

@@ -59,20 +59,23 @@ def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_
 
 
 @pytest.mark.slow  # two runs of the CLI, one of them as 2 processes
-def test_two_processes_holding_a_sharded_island_each_equal_one_process(make_config, tmp_path):
-    """Each process holds one replica sharded over its 2 devices (--mesh.fsdp 2)."""
+def test_sharded_islands_over_processes_equal_one_process(make_config, tmp_path):
+    """Two islands sharded over 2 devices each (--mesh.fsdp 2): held by one process each, then each
+    spanning 2 processes of one device (its fsdp collectives cross processes), against one process."""
     flags = ["--diloco.sync-period", "2", "--train.steps", str(STEPS), "--model.num-layers", "2", "--model.dim", "32",
              "--model.mlp-ratio", "2", "--train.lr", "0.01", "--mesh.fsdp", "2"]
     single = make_config(diloco=dict(num_replicas=2, sync_period=2), mesh=dict(fsdp=2),
                          train=dict(steps=STEPS, lr=0.01, batch_size=4, seq_len=16, eval_every=50, warmup_steps=20))
     Trainer(single, verbose=False).run()
-    proc = _launch(2, tmp_path / "multi", *flags)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert "fsdp=2" in out
-    multi = train_losses(tmp_path / "multi")
-    assert len(multi) == STEPS
-    np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
+    for processes, islands in [(2, "replica 0 on process 0, replica 1 on process 1"),
+                               (4, "replica 0 on processes 0-1, replica 1 on processes 2-3")]:
+        proc = _launch(processes, tmp_path / f"multi{processes}", *flags)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert "fsdp=2" in out and islands in out
+        multi = train_losses(tmp_path / f"multi{processes}")
+        assert len(multi) == STEPS
+        np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
 
 
 def _children(pid: int) -> dict[int, int]:
@@ -198,6 +201,9 @@ def test_a_process_without_its_peers_stops_after_the_init_timeout_with_one_line(
 def test_launcher_rejects_bad_input(capsys):
     assert launch_main(["--num-processes", "0", "--", "--train.steps", "1"]) == 2
     assert "--num-processes must be >= 1" in capsys.readouterr().err
+    assert launch_main(["--num-processes", "3", "--", "--diloco.num-replicas", "2"]) == 2
+    assert ("--num-processes and --diloco.num-replicas must divide one another: every process trains whole replicas, "
+            "or every island spans whole processes (got 3 processes for 2 replicas)") in capsys.readouterr().err
 
 
 def test_bandwidth_without_root_says_so(capsys, monkeypatch):

@@ -93,3 +93,20 @@ def test_a_full_flush_sends_what_is_left_at_once():
     assert gather.batches == [] and lines.records == []
     report.flush()  # before an evaluation or a checkpoint: everything, now
     assert gather.batches == [[1, 2, 3]] and [r["step"] for r in lines.records] == [1, 2, 3]
+
+
+def test_each_record_has_the_schedules_learning_rate_across_blocks(monkeypatch):
+    from eqx_diloco.lm import _reporting
+
+    monkeypatch.setattr(_reporting, "LR_BLOCK", 4)  # several blocks in a short run
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=5, decay_steps=20, end_value=1e-4)
+    lines = Lines()
+    report = Reporter(Config(train=TrainConfig(steps=20, log_every=1)), (lines,), Quiet(), RecordingGather(), lag=0,
+                      signals=StopSignals(), checks=FiniteChecks("stop"), mesh=None, lr_schedule=schedule,
+                      tokens_per_step=8, start_time=0.0, start_step=3)  # a resumed run: its first block is not 0
+    for t in range(4, 21):
+        report.publish(pending(t))
+        report.flush()
+    assert [r["step"] for r in lines.records] == list(range(4, 21))
+    np.testing.assert_allclose([r["lr"] for r in lines.records], [float(schedule(t - 1)) for t in range(4, 21)],
+                               rtol=1e-6)

@@ -184,8 +184,11 @@ def _compute_lines(config) -> list[str]:
 
 
 def island_map(num_replicas: int, num_processes: int) -> str:
-    """Which processes hold which replicas: contiguous blocks of R / P replicas, in process order
-    (`build_meshes` lays the `diloco` axis out so)."""
+    """Which processes hold which replicas: contiguous blocks of R / P replicas, in process order, or
+    each replica over a block of P / R processes (`build_meshes` lays the `diloco` axis out so)."""
+    if num_processes > num_replicas:
+        S = num_processes // num_replicas
+        return ", ".join(f"replica {r} on processes {r * S}-{r * S + S - 1}" for r in range(num_replicas))
     per = num_replicas // num_processes
 
     def replicas(p: int) -> str:

@@ -222,8 +222,9 @@ def slowdown_s(islands: tuple[int, ...], *, all_processes: bool = False) -> floa
     on slower hardware; 0 when unset. `islands`: this process's islands, or with `all_processes` every
     replica's island of a multi-process run (this process holds its equal share of them)."""
     if all_processes:
-        share = len(islands) // jax.process_count()
-        islands = islands[jax.process_index() * share:][:share]
+        R, P = len(islands), jax.process_count()
+        # This process's block of R / P replicas, or the one island it is a part of (R < P).
+        islands = islands[jax.process_index() * R // P:][:max(1, R // P)]
     spec = os.environ.get(SLOW_ISLANDS_ENV, "")
     extra = 0.0
     for item in filter(None, spec.split(",")):

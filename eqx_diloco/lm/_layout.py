@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from .._arguments import check_replicas_per_process
+from .._arguments import check_replicas_per_process, processes_per_island
 from .._errors import ConfigError
 from ._cluster import DetectedCluster, detect_cluster
 from ._flags import flag_names
@@ -95,14 +95,15 @@ def wants_comm_device(config: "Config") -> bool:
 def devices_needed(config: "Config") -> int:
     """Devices per process: `--mesh.data x --mesh.fsdp x --mesh.tensor` per row of K replicas
     (`--mesh.replicas-per-device`, 1 when automatic), plus one per row for communication (not for
-    sharded islands). CPU runs simulate this many."""
+    sharded islands); where an island spans S processes, its devices / S. CPU runs simulate this many."""
     layout = process_layout(config)
     num_processes, process_id = layout.num_processes, layout.process_id
     R = config.diloco.num_replicas
-    if num_processes < 1 or R % num_processes:
+    if num_processes < 1 or (R % num_processes and num_processes % R):
         raise ConfigError(
-            f"--diloco.num-replicas must be a multiple of the process count {num_processes} (from "
-            f"{layout.source('count')}; got {R}): every process holds whole replicas"
+            f"--diloco.num-replicas and the process count {num_processes} (from {layout.source('count')}; got {R} "
+            f"replicas) must divide one another: every process holds whole replicas, or every island spans whole "
+            f"processes"
         )
     if not 0 <= process_id < num_processes:
         raise ConfigError(f"{layout.source('id')} must be in [0, {num_processes}) (got {process_id})")
@@ -112,6 +113,11 @@ def devices_needed(config: "Config") -> int:
         raise ConfigError(flag_names(str(e))) from None
     K = config.mesh.replicas_per_device or 1
     island = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    if (S := processes_per_island(R, num_processes)) > 1:
+        if island % S:
+            raise ConfigError(f"an island spanning {S} processes ({R} replicas on {num_processes}) needs --mesh.data x "
+                              f"--mesh.fsdp x --mesh.tensor divisible by {S} (got {island})")
+        return island // S
     comm = int(wants_comm_device(config)) if config.mesh.fsdp * config.mesh.tensor == 1 else 0
     return R // num_processes // K * (island + comm)
 

@@ -30,6 +30,9 @@ from .elastic import write_progress
 from .metrics import LogWriteError, ProgressDisplay
 
 
+LR_BLOCK = 1024  # learning rates computed per device call
+
+
 @dataclasses.dataclass
 class Reporter:
     """Publishes and emits the values of every step of one run.
@@ -74,10 +77,21 @@ class Reporter:
 
     def __post_init__(self):
         self._timer = (time.perf_counter(), self.start_step)
-        # One compiled call per logged step, not the schedule's several eager operations; compiled
-        # here, before training, so the first logged step does not pay for it.
-        self._lr = jax.jit(self.lr_schedule)
+        # The schedule's values, LR_BLOCK steps per compiled call: a device call per logged step would
+        # queue behind the steps in flight and make the host wait for them (compiled here, not mid-run).
+        self._lr_block = jax.jit(jax.vmap(self.lr_schedule))
+        self._lr_values = (-1, np.empty(0, np.float32))
         self._lr(self.start_step)
+
+    def _lr(self, step: int) -> float:
+        """The inner learning rate at (0-based) `step`."""
+        block, values = self._lr_values
+        if block != step // LR_BLOCK:
+            block = step // LR_BLOCK
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and integer counts
+                values = np.asarray(self._lr_block(np.arange(block * LR_BLOCK, (block + 1) * LR_BLOCK)))
+            self._lr_values = (block, values)
+        return float(values[step % LR_BLOCK])
 
     def write(self, record: dict[str, Any]) -> None:
         """One record into metrics.jsonl (non-finite numbers as null) and the TensorBoard events.
@@ -174,7 +188,7 @@ class Reporter:
             "time": now - self.start_time,
             "loss": float(np.mean(replica_losses)),
             "replica_losses": replica_losses,
-            "lr": float(self._lr(t - 1)),
+            "lr": self._lr(t - 1),
             "grad_norm": float(np.mean(m["grad_norm"])),
             "tokens_per_s": tokens_per_s,
             "sent_bytes": pending["sent"],

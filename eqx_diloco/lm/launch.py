@@ -273,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --elastic.enabled needs one island per process: --num-processes must equal "
               f"--diloco.num-replicas (got {args.num_processes} processes for {replicas} replicas)", file=sys.stderr)
         return 2
-    if args.module == "eqx_diloco.train" and replicas >= 1 and replicas % args.num_processes:
-        print(f"error: --num-processes must divide --diloco.num-replicas: every process trains whole replicas "
-              f"(got {args.num_processes} processes for {replicas} replicas)", file=sys.stderr)
+    if (args.module == "eqx_diloco.train" and replicas >= 1 and replicas % args.num_processes
+            and args.num_processes % replicas):
+        print(f"error: --num-processes and --diloco.num-replicas must divide one another: every process trains "
+              f"whole replicas, or every island spans whole processes (got {args.num_processes} processes for "
+              f"{replicas} replicas)", file=sys.stderr)
         return 2
     if args.log_dir is not None and args.log_dir.exists() and not args.log_dir.is_dir():
         print(f"error: --log-dir is not a folder: {args.log_dir}", file=sys.stderr)
