@@ -263,35 +263,22 @@ def validate(config: Config) -> None:
     """Raise `ConfigError` with a one-line message for the first rule `config` breaks."""
     m, d, train, data = config.model, config.diloco, config.train, config.data
     for flag, value in [
-        ("--model.num-layers", m.num_layers),
-        ("--model.dim", m.dim),
-        ("--model.num-heads", m.num_heads),
-        ("--model.mlp-ratio", m.mlp_ratio),
-        ("--model.vocab-size", m.vocab_size),
-        ("--diloco.num-replicas", d.num_replicas),
-        ("--diloco.sync-period", d.sync_period),
-        ("--diloco.num-fragments", d.num_fragments),
-        ("--train.steps", train.steps),
-        ("--train.batch-size", train.batch_size),
-        ("--train.seq-len", train.seq_len),
-        ("--train.log-every", train.log_every),
-        ("--train.eval-sequences", train.eval_sequences),
-        ("--mesh.data", config.mesh.data),
-        ("--mesh.fsdp", config.mesh.fsdp),
-        ("--mesh.tensor", config.mesh.tensor),
+        ("--model.num-layers", m.num_layers), ("--model.dim", m.dim), ("--model.num-heads", m.num_heads),
+        ("--model.mlp-ratio", m.mlp_ratio), ("--model.vocab-size", m.vocab_size),
+        ("--diloco.num-replicas", d.num_replicas), ("--diloco.sync-period", d.sync_period),
+        ("--diloco.num-fragments", d.num_fragments), ("--train.steps", train.steps),
+        ("--train.batch-size", train.batch_size), ("--train.seq-len", train.seq_len),
+        ("--train.log-every", train.log_every), ("--train.eval-sequences", train.eval_sequences),
+        ("--mesh.data", config.mesh.data), ("--mesh.fsdp", config.mesh.fsdp), ("--mesh.tensor", config.mesh.tensor),
         ("--data.max-corpus-bytes", data.max_corpus_bytes),
         ("--dist.heartbeat-timeout-s", config.dist.heartbeat_timeout_s),
         ("--elastic.min-replicas", config.elastic.min_replicas),
     ]:
         _require(value >= 1, f"{flag} must be >= 1 (got {value})")
     for flag, value in [
-        ("--train.lr", train.lr),
-        ("--diloco.outer-lr", d.outer_lr),
-        ("--train.weight-decay", train.weight_decay),
-        ("--train.grad-clip", train.grad_clip),
-        ("--diloco.alpha", d.alpha),
-        ("--model.rope-base", m.rope_base),
-        ("--model.aux-loss-weight", m.aux_loss_weight),
+        ("--train.lr", train.lr), ("--diloco.outer-lr", d.outer_lr), ("--train.weight-decay", train.weight_decay),
+        ("--train.grad-clip", train.grad_clip), ("--diloco.alpha", d.alpha), ("--model.rope-base", m.rope_base),
+        ("--model.aux-loss-weight", m.aux_loss_weight), ("--diloco.error-feedback-decay", d.error_feedback_decay),
     ]:
         _require(math.isfinite(value), f"{flag} must be a finite number (got {value})")
     _require(str(config.run_dir) not in ("", "."), "--run-dir must name a folder (got an empty path or '.')")
