@@ -9,6 +9,8 @@ Settings (every one with error feedback except float32):
     topk3-int2-chunk256  top-k 3% of each 256-value chunk (1-byte positions), int2
     topk2-int2-gather    top-k 2% + int2 through the one-shot gather (no re-sparsification; R = 4
                      picks two-phase by itself)
+    sparseloco-topk3-int2 ...  SparseLoCo: top-k 3%, 2% or 1% + int2, the residual decayed by 0.95
+                     before it is added (--diloco.error-feedback-decay) and no outer momentum
     muon             Muon inside (optax.contrib.muon on the stacked matrices, AdamW elsewhere), float32 sync
     muon-topk2-int2  Muon inside, top-k 2% + int2
 
@@ -47,6 +49,10 @@ SETTINGS: dict[str, dict] = {
        for d in (0.10, 0.03, 0.02, 0.01) for fmt in ("int2", "int4")},
     "topk3-int2-chunk256": dict(quantize="int2", topk=0.03, topk_chunk=256, **EF),
     "topk2-int2-gather": dict(quantize="int2", topk=0.02, exchange="gather", **EF),
+    # SparseLoCo: the error-feedback accumulator decays (beta 0.95) and replaces outer momentum.
+    **{f"sparseloco-topk{round(100 * d)}-int2": dict(quantize="int2", topk=d, error_feedback=True,
+                                                     error_feedback_decay=0.95, outer_momentum=0.0)
+       for d in (0.03, 0.02, 0.01)},
     "muon": dict(inner="muon"),
     "muon-topk2-int2": dict(inner="muon", quantize="int2", topk=0.02, **EF),
 }

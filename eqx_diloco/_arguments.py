@@ -61,7 +61,7 @@ def check_arguments(
     overlap_steps: int,
     alpha: float,
     quantize: str,
-    error_feedback: bool,
+    error_feedback: bool | float,
     outer_overlap: str,
     exchange: str,
     router_sync_period: int,
@@ -131,6 +131,8 @@ def check_arguments(
         _require(o != "eager" or on_nonfinite == "stop",
                  "outer_overlap eager needs on_nonfinite stop (a skipped replica cannot be taken out of proxies the "
                  "others already applied)")
+    _require(isinstance(error_feedback, bool) or (isinstance(error_feedback, (int, float)) and 0 < error_feedback <= 1),
+             f"error_feedback must be True, False or a decay in (0, 1] (got {error_feedback!r})")
     _require(not error_feedback or quantize != "none" or topk is not None,
              "error_feedback needs a lossy quantize format or topk (got quantize none)")
     _require(topk is None or error_feedback,

@@ -48,13 +48,9 @@ def _require(condition: bool, message: str) -> None:
 
 
 def default_outer_optimizer() -> optax.GradientTransformation:
-    """SGD with lr 1.0 and Nesterov momentum 0.3 (lr 1.0 without momentum is plain averaging).
-
-    The CLI's default, chosen from `benchmarks/outer_sweep.py` (at 512 tokens per replica step
-    it beat plain averaging at H = 20 and tied it at H = 10; the papers' lr 0.7 / Nesterov 0.9
-    was 5-10% behind DDP there); for long runs at large per-replica batches pass
-    `optax.sgd(0.7, momentum=0.9, nesterov=True)`.
-    """
+    """SGD with lr 1.0 and Nesterov momentum 0.3, the CLI's default from `benchmarks/outer_sweep.py`
+    (at 512 tokens per replica step it beat plain averaging at H = 20 and tied it at H = 10; the
+    papers' `optax.sgd(0.7, momentum=0.9, nesterov=True)` was 5-10% behind DDP there)."""
     return optax.sgd(1.0, momentum=0.3, nesterov=True)
 
 
@@ -93,7 +89,9 @@ class DiLoCo(Results, Persistence, Traffic):
     - `topk_chunk`: values per top-k chunk, a power of two from 8 to 65536 (positions take 1
       byte up to 256, else 2); the default 65536 selects nearly over the whole group, which
       trained far better than 256-value chunks (see `_codec`).
-    - `error_feedback`: carry each replica's quantization residual to its next sync.
+    - `error_feedback`: carry each replica's quantization residual to its next sync: True, or a
+      decay beta in (0, 1] on the carried residual (SparseLoCo's accumulator, used with no outer
+      momentum: beta 0.95; True is beta 1).
     - `outer_overlap`: `none` (a sync blocks, or overlaps tau steps), or overlap each sync's
       whole exchange with the next round of that group (arXiv 2502.12996, see `_eager`):
       `delayed` applies the averaged outer gradient one outer step late, `eager` uses each
@@ -164,7 +162,7 @@ class DiLoCo(Results, Persistence, Traffic):
         quantize: str = "none",
         topk: float | None = None,
         topk_chunk: int = 65536,
-        error_feedback: bool = False,
+        error_feedback: bool | float = False,
         outer_overlap: Literal["none", "delayed", "eager"] = "none",
         exchange: Literal["auto", "gather", "two_phase"] = "auto",
         routers: Callable[[PyTree], PyTree] | None = None,
@@ -199,7 +197,8 @@ class DiLoCo(Results, Persistence, Traffic):
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
         self.fragment_pattern, self.overlap_steps, self.alpha = fragment_pattern, overlap_steps, alpha
-        self.quantize, self.error_feedback, self.exchange = quantize, error_feedback, exchange
+        self.quantize, self.error_feedback, self.exchange = quantize, bool(error_feedback), exchange
+        self.error_feedback_decay = 1.0 if isinstance(error_feedback, bool) else float(error_feedback)
         self.topk, self.topk_chunk = topk, topk_chunk
         self.wire = Codec(quantize, topk, topk_chunk)  # what an outer gradient becomes on the wire
         self.outer_overlap = outer_overlap if algorithm == "diloco" else "none"

@@ -62,7 +62,7 @@ from ._exchange import resolve_method, sent_values
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
 from ._compile_ahead import compile_install_ahead
-from ._outer import move_to_mesh, replica_mean, unflatten_like
+from ._outer import move_to_mesh, replica_mean, unflatten_like, with_residuals
 from ._sharding import all_rows_finite, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
 
@@ -93,7 +93,7 @@ class OverlappedOuter:
     - `outer_opt`: the outer optimizer.
     - `mode`: `delayed` or `eager`.
     - `fmt`, `exchange`: wire format and collective (see `_exchange`).
-    - `skip_nonfinite`, `error_feedback`: as for the blocking sync.
+    - `skip_nonfinite`, `error_feedback`, `error_feedback_decay`: as for the blocking sync.
     - `shardings`: the state's shardings.
     - `num_replicas`: R, when the mesh's rows hold several replicas each (default: its rows).
     - `value_specs`: per group, its values' PartitionSpecs over the inner axes (a sharded
@@ -103,9 +103,11 @@ class OverlappedOuter:
     def __init__(self, *, mesh: Mesh, comm_mesh: Mesh | None, groups: tuple[ParamGroup, ...],
                  outer_opt: optax.GradientTransformation, mode: str, fmt: str, exchange: str,
                  skip_nonfinite: bool, error_feedback: bool, shardings: TrainState, num_replicas: int | None = None,
+                 error_feedback_decay: float = 1.0,
                  value_specs: tuple[list[PartitionSpec], ...] | None = None):
         self.mesh, self.comm_mesh, self.groups, self.outer_opt = mesh, comm_mesh, groups, outer_opt
         self.mode, self.fmt, self.error_feedback, self.skip_nonfinite = mode, fmt, error_feedback, skip_nonfinite
+        self.ef_decay = error_feedback_decay
         self.num_replicas = num_replicas or mesh.shape["diloco"]
         exchange_mesh = comm_mesh or mesh
         self.method = resolve_method(exchange, self.num_replicas, fmt)
@@ -172,7 +174,7 @@ class OverlappedOuter:
             replicas = group.get(state.params, layer_axis=1)
             anchors = group.get(state.global_params, layer_axis=1 if eager else 0)
             deltas = [jnp.broadcast_to(a, r.shape) - r.astype(a.dtype) for a, r in zip(anchors, replicas)]
-            sent = deltas if not self.error_feedback else [d + e for d, e in zip(deltas, state.residuals[i])]
+            sent = deltas if not self.error_feedback else with_residuals(deltas, state.residuals[i], self.ef_decay)
             mean_prev = state.mail_mean[i]
             with jax.numpy_dtype_promotion("standard"):  # optax mixes weak floats and int32 counts
                 if eager:

@@ -58,12 +58,13 @@ class Island:
     - `client`: the `SyncerClient`.
     - `island`: this island's id.
     - `quantize`: wire format of outer gradients (`quantize.FORMATS`).
-    - `error_feedback`: carry each fragment's quantization residual to its next push.
+    - `error_feedback`: carry each fragment's quantization residual to its next push: True, or
+      the decay beta in (0, 1] of that residual, as for `DiLoCo`.
     """
 
     def __init__(self, model: PyTree, *, layers: Callable[[PyTree], Any] | None, num_fragments: int = 1,
                  fragment_pattern: Pattern = "strided", client: SyncerClient, island: int,
-                 quantize: str = "none", error_feedback: bool = False):
+                 quantize: str = "none", error_feedback: bool | float = False):
         if quantize not in codec.FORMATS:
             raise ConfigError(f"quantize must be one of {', '.join(codec.FORMATS)} (got {quantize!r})")
         params = eqx.filter(model, eqx.is_inexact_array)
@@ -71,7 +72,10 @@ class Island:
             self.fragmenter = Fragmenter.for_model(params, layers, num_fragments, fragment_pattern)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.client, self.island, self.fmt, self.error_feedback = client, island, quantize, error_feedback
+        if not (isinstance(error_feedback, bool) or 0 < error_feedback <= 1):
+            raise ConfigError(f"error_feedback must be True, False or a decay in (0, 1] (got {error_feedback!r})")
+        self.client, self.island, self.fmt, self.error_feedback = client, island, quantize, bool(error_feedback)
+        self.ef_decay = 1.0 if isinstance(error_feedback, bool) else float(error_feedback)
         self.num_fragments = num_fragments
         self.sizes = [v.size for v in fragment_vectors(params, self.fragmenter)]
         self.versions = [0] * num_fragments
@@ -115,7 +119,7 @@ class Island:
         current = self._vector(model, fragment)
         delta = self.base[fragment] - current
         if self.error_feedback:
-            delta = delta + self.residuals[fragment]
+            delta = delta + (self.residuals[fragment] if self.ef_decay == 1 else self.ef_decay * self.residuals[fragment])
         payload, residual = self._encode(jnp.asarray(delta), self.fmt)
         if self.error_feedback:
             self.residuals[fragment] = np.asarray(residual)

@@ -96,9 +96,18 @@ def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, s
     return [t / count for t in totals], own_error
 
 
+def with_residuals(deltas: list[Array], residuals: list[Array], decay: float) -> list[Array]:
+    """What error feedback sends: each outer gradient plus `decay` times the residual carried from the
+    last sync (decay 1: classic error feedback; below 1, SparseLoCo's accumulator, which then
+    stands in for outer momentum)."""
+    if decay == 1.0:
+        return [d + e for d, e in zip(deltas, residuals)]
+    return [d + jnp.asarray(decay, e.dtype) * e for d, e in zip(deltas, residuals)]
+
+
 def mean_outer_gradient(
     mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, exchange: str = "auto",
-    num_replicas: int | None = None, specs: list[PartitionSpec] | None = None,
+    num_replicas: int | None = None, specs: list[PartitionSpec] | None = None, error_feedback_decay: float = 1.0,
 ) -> Callable[[list, list, list | None], tuple[list, Array, list | None]]:
     """shard_map'd `(replica_values, global_values, residuals) -> (mean_delta, finite, residuals)`.
 
@@ -111,6 +120,7 @@ def mean_outer_gradient(
     reduce-scatter + all-gather at R > 2; `gather` or `two_phase` force one (also for
     format `none`, which tests use). `num_replicas` defaults to the mesh's rows (K = 1).
     `specs`: each value's PartitionSpec over the inner axes (a sharded island; None: replicated).
+    `error_feedback_decay`: beta, the factor on the residual carried into this sync (see `DiLoCo`).
 
     The body is manual over every mesh axis: each device exchanges only its own shard of
     each value with its peers in the other replicas (the `psum` / gather runs over `diloco`),
@@ -122,7 +132,7 @@ def mean_outer_gradient(
     def body(replica_values, global_values, residuals):
         deltas = [g[None] - r.astype(g.dtype) for g, r in zip(global_values, replica_values)]
         if error_feedback:
-            deltas = [d + e for d, e in zip(deltas, residuals)]
+            deltas = with_residuals(deltas, residuals, error_feedback_decay)
         finite = all_rows_finite(row_finite(deltas), sharded_axes(specs))
         means, new_residuals = per_payload(specs, deltas, lambda part: replica_mean(
             part, finite, fmt=fmt, method=method, skip_nonfinite=skip_nonfinite))
@@ -203,6 +213,7 @@ class OuterSync:
     - `alpha`: merge weight of the replica's own values.
     - `skip_nonfinite`: leave replicas with a non-finite outer gradient out of the mean.
     - `error_feedback`: carry each replica's quantization residual to its next sync.
+    - `error_feedback_decay`: the factor on that residual (1: classic error feedback).
     - `shardings`: the train state's shardings (outputs are pinned to them).
     - `comm_mesh`: where overlapped syncs run (`launch`); None runs them on `mesh`.
     - `exchange`: the collective of quantized syncs: `auto`, `gather` or `two_phase`.
@@ -230,12 +241,13 @@ class OuterSync:
         exchange: str = "auto",
         num_replicas: int | None = None,
         value_specs: tuple[list[PartitionSpec], ...] | None = None,
+        error_feedback_decay: float = 1.0,
     ):
         self.mesh, self.groups, self.outer_opt, self.fmt, self.alpha = mesh, groups, outer_opt, fmt, alpha
         self.skip_nonfinite, self.error_feedback = skip_nonfinite, error_feedback
         self.shardings, self.comm_mesh, self.exchange = shardings, comm_mesh, exchange
         flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback, exchange=exchange,
-                     num_replicas=num_replicas)
+                     num_replicas=num_replicas, error_feedback_decay=error_feedback_decay)
         comm_mesh = self.comm_mesh or self.mesh
         jit = lambda f: jax.jit(f, donate_argnums=0, out_shardings=(self.shardings, None))  # noqa: E731
         fns = dict(sync=[], merge=[], sync_and_merge=[], extract=[], install=[], launch=[])

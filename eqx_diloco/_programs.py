@@ -99,12 +99,13 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
         overlapped = OverlappedOuter(
             mesh=d.mesh, comm_mesh=d.comm_mesh, groups=groups, outer_opt=d.outer_optimizer, mode=d.outer_overlap,
             fmt=d.wire, exchange=d.exchange, skip_nonfinite=skip, error_feedback=d.error_feedback,
-            shardings=shardings, num_replicas=d.num_replicas, value_specs=value_specs,
+            error_feedback_decay=d.error_feedback_decay, shardings=shardings, num_replicas=d.num_replicas, value_specs=value_specs,
         )
     elif d.is_diloco:
         outer = OuterSync(
             mesh=d.mesh, groups=groups, outer_opt=d.outer_optimizer, fmt=d.wire, alpha=d.alpha,
-            skip_nonfinite=skip, error_feedback=d.error_feedback, shardings=shardings, comm_mesh=d.comm_mesh,
+            skip_nonfinite=skip, error_feedback=d.error_feedback, error_feedback_decay=d.error_feedback_decay,
+            shardings=shardings, comm_mesh=d.comm_mesh,
             exchange=d.exchange, num_replicas=d.num_replicas, value_specs=value_specs,
         )
     all_shapes = [x.shape for x in jax.tree.leaves(abstract)]

@@ -216,3 +216,52 @@ def test_sent_values_follow_the_exchange_chunks():
     whole = np_topk_round_trip(x, codec)
     np.testing.assert_allclose(np.asarray(sent_values(jnp.asarray(x), codec, R, "gather")), whole, rtol=1e-6)
     assert not np.allclose(per_chunk, whole)  # the two differ: the mailbox must know which
+
+
+def test_error_feedback_decay_is_sparselocos_accumulator_against_numpy():
+    """With `error_feedback=beta`, each sync sends topk(delta + beta e) and keeps the rest as e
+    (SparseLoCo's accumulator); over two syncs the residuals equal a numpy run of that rule."""
+    beta, R = 0.5, 2
+    diloco = _core(error_feedback=beta, sync_period=2)
+    codec = diloco.wire
+    state = diloco.init(StackedMLP(key=jax.random.key(0)))
+    group = diloco.groups[0]
+    carried = np.zeros((R, sum(x.size for x in jax.tree.leaves(group.get(state.global_params)))), np.float32)
+    for sync in range(2):
+        for step in range(2):
+            state, _ = diloco.inner_step(state, make_batch(2 * sync + step, R))
+        anchor = np.concatenate([np.ravel(x) for x in group.get(jax.device_get(state.global_params))])
+        replicas = [np.concatenate([np.ravel(x[r]) for x in group.get(jax.device_get(state.params), layer_axis=1)])
+                    for r in range(R)]
+        state, _ = diloco.outer.sync(state, 0)
+        got = np.stack([np.concatenate([np.ravel(e[r]) for e in jax.device_get(state.residuals[0])])
+                        for r in range(R)])
+        for r in range(R):
+            sent = anchor - replicas[r] + np.float32(beta) * carried[r]
+            np.testing.assert_allclose(got[r], sent - np_topk_round_trip(sent, codec), atol=1e-6)
+        assert np.abs(got).max() > 0
+        carried = got
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, -0.5])
+def test_an_error_feedback_decay_outside_0_1_is_refused_with_one_line(value):
+    with pytest.raises(ConfigError, match=re.escape(f"error_feedback must be True, False or a decay in (0, 1] "
+                                                    f"(got {value})")) as e:
+        _core(error_feedback=value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("diloco", "message"), [
+    (dict(error_feedback_decay=0.9, quantize="int2"),
+     "--diloco.error-feedback-decay 0.9 needs --diloco.error-feedback (it decays its residual)"),
+    (dict(error_feedback_decay=1.5, quantize="int2", error_feedback=True),
+     "--diloco.error-feedback-decay must be in (0, 1] (got 1.5)"),
+    (dict(error_feedback_decay=0.0, quantize="int2", error_feedback=True),
+     "--diloco.error-feedback-decay must be in (0, 1] (got 0.0)"),
+])
+def test_cli_refuses_a_bad_error_feedback_decay_with_one_line(diloco, message):
+    from eqx_diloco.lm.config import Config, DiLoCoConfig, validate
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        validate(Config(diloco=DiLoCoConfig(**diloco)))
+    validate(Config(diloco=DiLoCoConfig(error_feedback_decay=0.95, error_feedback=True, quantize="int2")))

@@ -52,7 +52,8 @@ def algorithm_line(config) -> str:
     if d.alpha:
         parts.append(f"alpha={d.alpha}")
     sparse = f"top-{100 * d.topk:g}% of {d.topk_chunk}-value chunks in " if d.topk is not None else ""
-    parts.append(f"{sparse}quantize {d.quantize}" + (" + error feedback" if d.error_feedback else ""))
+    parts.append(f"{sparse}quantize {d.quantize}" + (" + error feedback" if d.error_feedback else "")
+                 + (f" (decay {d.error_feedback_decay})" if d.error_feedback and d.error_feedback_decay != 1 else ""))
     if config.optim.inner == "muon":
         parts.append(f"inner Muon (lr {config.optim.muon_lr:g}) + AdamW")
     return ", ".join(parts)

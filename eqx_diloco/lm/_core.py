@@ -15,7 +15,7 @@ from .._diloco import DiLoCo
 from .._sharding import fsdp_specs
 from .._state import TrainState
 from ._devices import make_meshes
-from .config import Config, ConfigError, flag_names
+from .config import Config, ConfigError, error_feedback_argument, flag_names
 from .optimizers import inner_optimizer, outer_optimizer
 
 
@@ -82,7 +82,7 @@ def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
             overlap_steps=d.overlap_steps if diloco else 0,
             alpha=d.alpha if diloco else 0.0,
             quantize=d.quantize if diloco else "none",
-            error_feedback=d.error_feedback and diloco,
+            error_feedback=error_feedback_argument(d) if diloco else False,
             topk=d.topk if diloco else None,
             topk_chunk=d.topk_chunk,
             exchange=d.exchange if diloco else "auto",

@@ -49,6 +49,8 @@ class DiLoCoConfig:
     """values per top-k chunk: a power of two from 8 to 65536 (positions take 1 byte up to 256, else 2). Large chunks select nearly over a whole fragment, which trained better than small ones (benchmarks/results/compression)."""
     error_feedback: bool = False
     """keep each replica's quantization residual and add it to its next outer gradient of the same fragment."""
+    error_feedback_decay: float = 1.0
+    """beta in (0, 1]: the residual is multiplied by it before it is added (needs --diloco.error-feedback). Below 1 it is SparseLoCo's error-feedback accumulator, which stands in for outer momentum: pair 0.95 with --diloco.outer-momentum 0."""
     outer_overlap: Literal["none", "delayed", "eager"] = "none"
     """overlap each sync's whole exchange with the next round of that fragment (arXiv 2502.12996): `delayed` applies the averaged outer gradient one outer step late; `eager` uses each replica's fresh outer gradient in place of its own stale share and corrects with the others' when they arrive (needs --diloco.overlap-steps 0, --diloco.alpha 0; eager needs --train.on-nonfinite stop)."""
     exchange: Literal["auto", "gather", "two_phase"] = "auto"
@@ -252,39 +254,31 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def error_feedback_argument(d: DiLoCoConfig) -> bool | float:
+    """`DiLoCo`'s `error_feedback` for these flags: False, True, or the decay of the residual."""
+    return d.error_feedback_decay if d.error_feedback and d.error_feedback_decay != 1 else d.error_feedback
+
+
 def validate(config: Config) -> None:
     """Raise `ConfigError` with a one-line message for the first rule `config` breaks."""
     m, d, train, data = config.model, config.diloco, config.train, config.data
     for flag, value in [
-        ("--model.num-layers", m.num_layers),
-        ("--model.dim", m.dim),
-        ("--model.num-heads", m.num_heads),
-        ("--model.mlp-ratio", m.mlp_ratio),
-        ("--model.vocab-size", m.vocab_size),
-        ("--diloco.num-replicas", d.num_replicas),
-        ("--diloco.sync-period", d.sync_period),
-        ("--diloco.num-fragments", d.num_fragments),
-        ("--train.steps", train.steps),
-        ("--train.batch-size", train.batch_size),
-        ("--train.seq-len", train.seq_len),
-        ("--train.log-every", train.log_every),
-        ("--train.eval-sequences", train.eval_sequences),
-        ("--mesh.data", config.mesh.data),
-        ("--mesh.fsdp", config.mesh.fsdp),
-        ("--mesh.tensor", config.mesh.tensor),
+        ("--model.num-layers", m.num_layers), ("--model.dim", m.dim), ("--model.num-heads", m.num_heads),
+        ("--model.mlp-ratio", m.mlp_ratio), ("--model.vocab-size", m.vocab_size),
+        ("--diloco.num-replicas", d.num_replicas), ("--diloco.sync-period", d.sync_period),
+        ("--diloco.num-fragments", d.num_fragments), ("--train.steps", train.steps),
+        ("--train.batch-size", train.batch_size), ("--train.seq-len", train.seq_len),
+        ("--train.log-every", train.log_every), ("--train.eval-sequences", train.eval_sequences),
+        ("--mesh.data", config.mesh.data), ("--mesh.fsdp", config.mesh.fsdp), ("--mesh.tensor", config.mesh.tensor),
         ("--data.max-corpus-bytes", data.max_corpus_bytes),
         ("--dist.heartbeat-timeout-s", config.dist.heartbeat_timeout_s),
         ("--elastic.min-replicas", config.elastic.min_replicas),
     ]:
         _require(value >= 1, f"{flag} must be >= 1 (got {value})")
     for flag, value in [
-        ("--train.lr", train.lr),
-        ("--diloco.outer-lr", d.outer_lr),
-        ("--train.weight-decay", train.weight_decay),
-        ("--train.grad-clip", train.grad_clip),
-        ("--diloco.alpha", d.alpha),
-        ("--model.rope-base", m.rope_base),
-        ("--model.aux-loss-weight", m.aux_loss_weight),
+        ("--train.lr", train.lr), ("--diloco.outer-lr", d.outer_lr), ("--train.weight-decay", train.weight_decay),
+        ("--train.grad-clip", train.grad_clip), ("--diloco.alpha", d.alpha), ("--model.rope-base", m.rope_base),
+        ("--model.aux-loss-weight", m.aux_loss_weight), ("--diloco.error-feedback-decay", d.error_feedback_decay),
     ]:
         _require(math.isfinite(value), f"{flag} must be a finite number (got {value})")
     _require(str(config.run_dir) not in ("", "."), "--run-dir must name a folder (got an empty path or '.')")
@@ -371,13 +365,17 @@ def validate(config: Config) -> None:
                 f"(got {m.num_layers} layers for {P - 1} layer fragments)",
             )
     _require(not d.router_sync_period or m.kind == "moe", "--diloco.router-sync-period needs --model.kind moe")
+    _require(0 < d.error_feedback_decay <= 1,
+             f"--diloco.error-feedback-decay must be in (0, 1] (got {d.error_feedback_decay})")
+    _require(d.error_feedback_decay == 1 or d.error_feedback,
+             f"--diloco.error-feedback-decay {d.error_feedback_decay} needs --diloco.error-feedback (it decays its residual)")
     # The algorithm's own rules live in the core, written once; its messages name `DiLoCo`'s
     # arguments, which become this CLI's flags here.
     try:
         check_arguments(
             num_replicas=d.num_replicas, sync_period=d.sync_period, num_fragments=d.num_fragments,
             fragment_pattern=d.fragment_pattern, overlap_steps=d.overlap_steps, alpha=d.alpha, quantize=d.quantize,
-            error_feedback=d.error_feedback, outer_overlap=d.outer_overlap, exchange=d.exchange,
+            error_feedback=error_feedback_argument(d), outer_overlap=d.outer_overlap, exchange=d.exchange,
             router_sync_period=d.router_sync_period, has_routers=m.kind == "moe", on_nonfinite=train.on_nonfinite,
             data_parallel=config.mesh.data, comm_device=d.comm_device, algorithm=config.algorithm,
             replicas_per_device=config.mesh.replicas_per_device or None, topk=d.topk, topk_chunk=d.topk_chunk,

@@ -26,7 +26,7 @@ from .._island import Island, adaptive_sync_period
 from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
 from ._core import lm_objective, new_model
 from ._devices import slowdown_s
-from .config import Config, ConfigError
+from .config import Config, ConfigError, error_feedback_argument
 from .data import TokenBatches, load_tokens
 from .metrics import MetricsLog
 from .optimizers import inner_optimizer
@@ -94,7 +94,7 @@ def run_island(config: Config) -> int:
     client = SyncerClient(dc.syncer, token=shared_token(config), retry_s=dc.retry_s)
     island = Island(params, layers=lambda m: m.blocks, num_fragments=num_fragments,
                     fragment_pattern=d.fragment_pattern, client=client, island=k, quantize=d.quantize,
-                    error_feedback=d.error_feedback)
+                    error_feedback=error_feedback_argument(d))
     step_fn = _make_step(static, optimizer, config.model.dropout)
     extra_s = slowdown_s((k,))  # benchmark only
     tokens_per_step = t.batch_size * t.seq_len
