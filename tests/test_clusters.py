@@ -82,6 +82,17 @@ def test_replicas_that_do_not_split_over_the_tasks_name_the_cluster(monkeypatch)
         devices_needed(Config())
 
 
+def test_islands_over_several_tasks_take_an_equal_share_of_their_devices(monkeypatch):
+    from eqx_diloco.lm.config import MeshConfig
+
+    _set(monkeypatch, slurm_env(1234, 4, 1))  # 4 tasks, 2 islands: each island over 2 tasks
+    assert devices_needed(Config(mesh=MeshConfig(fsdp=2, tensor=2))) == 2
+    assert island_map(2, 4) == "replica 0 on processes 0-1, replica 1 on processes 2-3"
+    with pytest.raises(ConfigError, match=r"^an island spanning 2 processes \(2 replicas on 4\) needs --mesh.data x "
+                                          r"--mesh.fsdp x --mesh.tensor divisible by 2 \(got 1\)$"):
+        devices_needed(Config())
+
+
 def test_unreadable_cluster_variables_are_one_line_naming_the_flags(monkeypatch):
     _set(monkeypatch, {**slurm_env(1234, 2, 0), "SLURM_NTASKS": "two"})
     with pytest.raises(ConfigError, match=r"^JAX's cluster detection found slurm, but cannot read its job "
