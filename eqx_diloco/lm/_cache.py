@@ -11,7 +11,7 @@ used when JAX was already configured with a folder, as the tests do),
 JAX writes cache entries from process 0 only (to spare shared filesystems concurrent writes of
 one key). On GPU every process's programs have one key, so the others read process 0's entries;
 on CPU a key includes the process's own devices, so the other processes would never find theirs
-and compiled every program of every run (seconds that process 0 then waits for at the first
+and would compile every program of every run (seconds that process 0 then waits for at the first
 collective). There every process writes its own entries: their keys differ, so no two processes
 write one file.
 """

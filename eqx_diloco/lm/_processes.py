@@ -310,7 +310,8 @@ def spawn(
         cmd = [*prefix, sys.executable, "-m", module, *flags]
         procs.append(subprocess.Popen(
             cmd, env=variables, stdout=out, stderr=subprocess.PIPE if i == 0 else subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_pinned(preexec, shares[i] if shares else None), text=i == 0, errors="replace" if i == 0 else None,
+            start_new_session=True, preexec_fn=_pinned(preexec, shares[i] if shares else None), text=i == 0,
+            errors="replace" if i == 0 else None,
         ))
         if out is not None:
             out.close()
