@@ -160,7 +160,7 @@ class DistributedConfig:
     init_timeout_s: int = 120
     """seconds every process waits at start-up for all the others to join the coordinator; then it stops with one line naming the coordinator and the processes it waited for."""
     metrics_lag: int = 8
-    """steps by which reading the other processes' per-step values (losses, finite flags, stop requests) may trail training. That exchange takes round trips to the coordinator over the same link as the syncs (where it can also queue behind an outer gradient); with a lag they overlap the next steps instead of delaying each one, and the values of this many steps travel in one exchange. Non-finite checks and agreed stops act this many steps late; evaluations, checkpoints and elastic sync boundaries still wait for everything. 0 = wait every step. Single-process runs read their values at once."""
+    """steps by which reading the other processes' per-step values (losses, finite flags, stop requests) may trail training. That exchange takes round trips to the coordinator over the same link as the syncs (where it can also queue behind an outer gradient); with a lag they overlap the next steps instead of delaying each one, and the values of this many steps travel in one exchange. Non-finite checks and agreed stops act this many to twice as many steps late; evaluations, checkpoints and elastic sync boundaries still wait for everything. 0 = wait every step. Single-process runs read their values at once."""
 
 
 @dataclasses.dataclass(frozen=True)
