@@ -106,6 +106,8 @@ class Island:
         self.residuals = [np.zeros(n, np.float32) for n in self.sizes]
         for f, theta in enumerate(thetas):
             model = self._install(model, f, theta)
+            # Each fragment's encoder compiled (or loaded) now: at its first push it would stall the step.
+            self._encode.lower(jnp.zeros(theta.size, jnp.float32), self.fmt).compile()
         return model
 
     def _vector(self, model: PyTree, fragment: int) -> np.ndarray:

@@ -169,6 +169,12 @@ class Syncer:
         self._lock = threading.Lock()
         self._update = jax.jit(lambda theta, state, gradient: self._apply(outer_optimizer, theta, state, gradient))
 
+    def compile_ahead(self) -> None:
+        """Compile (or load from the persistent cache) every fragment's outer step now, before islands
+        push: compiled at a fragment's first merge, it would hold every island waiting on that merge."""
+        for theta, opt_state in zip(self.theta, self.opt_states):
+            self._update.lower(jnp.asarray(theta), opt_state, jnp.asarray(theta)).compile()
+
     # -- state a checkpoint holds -------------------------------------------------------------------------
 
     def state_tree(self) -> dict[str, Any]:

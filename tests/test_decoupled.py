@@ -516,3 +516,30 @@ def test_bad_syncer_arguments_are_refused_in_one_line(kwargs, match):
     with pytest.raises(ConfigError, match="needs a non-empty shared secret"):
         SyncerService(Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=1),
                       address="127.0.0.1:0", token="")
+
+
+def test_the_syncer_and_a_joined_island_compile_their_programs_before_the_first_sync(service):
+    """`Syncer.compile_ahead` compiles each fragment's outer step and `Island.join` each fragment's encoder,
+    so neither program is lowered at the first push and merge (where every island would wait for it)."""
+    lowered = []
+
+    def listen(event, duration, **kwargs):
+        if event.endswith("jaxpr_to_mlir_module_duration"):  # one per program lowered
+            lowered.append(event)
+
+    rng = np.random.default_rng(7)  # sizes and an optimizer no other test compiled
+    s = service([rng.normal(size=37).astype(np.float32)], num_islands=1, grace_s=0.0,
+                outer_optimizer=optax.sgd(0.61, momentum=0.37, nesterov=True))
+    s.syncer.compile_ahead()
+    client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
+    island = Island(np.zeros(37, np.float32), layers=None, client=client, island=0, quantize="int8",
+                    error_feedback=True)
+    moved = island.join(np.zeros(37, np.float32)) - 0.25  # the island's training, done before listening
+    jax.block_until_ready(moved)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        island.sync(moved, 0, tokens=4)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+        client.close()
+    assert island.versions == [1] and lowered == [], f"{len(lowered)} programs were lowered at the first sync"

@@ -52,6 +52,7 @@ def run_syncer(config: Config) -> int:
                     grace_factor=dc.grace_factor, grace_min_s=dc.grace_min_s, grace_max_s=dc.grace_max_s,
                     max_staleness=dc.max_staleness, on_merge=on_merge)
     restored = checkpoints.restore(syncer)
+    syncer.compile_ahead()
     checkpoints.follow(syncer)
     service = SyncerService(syncer, address=dc.syncer, token=shared_token(config)).start()
     (folder / "address.json").write_text(json.dumps({"port": service.port, "pid": os.getpid(), "restored": restored}))
