@@ -28,6 +28,18 @@ def check_topk(topk: float | None, chunk: int) -> str | None:
     return None
 
 
+def check_error_feedback(error_feedback: bool | float) -> str | None:
+    """What is wrong with an `error_feedback` argument (None if nothing): True, False or a decay in (0, 1]."""
+    if isinstance(error_feedback, bool) or (isinstance(error_feedback, (int, float)) and 0 < error_feedback <= 1):
+        return None
+    return f"error_feedback must be True, False or a decay in (0, 1] (got {error_feedback!r})"
+
+
+def error_feedback_decay(error_feedback: bool | float) -> float:
+    """The factor on the residual an `error_feedback` argument carries: the decay itself, 1 for True."""
+    return 1.0 if isinstance(error_feedback, bool) else float(error_feedback)
+
+
 def processes_per_island(num_replicas: int, num_processes: int) -> int:
     """1 where every process holds whole replicas (the process count divides R), else S, the processes
     each island spans (R divides the process count: island i is processes i S .. i S + S - 1)."""
@@ -131,8 +143,8 @@ def check_arguments(
         _require(o != "eager" or on_nonfinite == "stop",
                  "outer_overlap eager needs on_nonfinite stop (a skipped replica cannot be taken out of proxies the "
                  "others already applied)")
-    _require(isinstance(error_feedback, bool) or (isinstance(error_feedback, (int, float)) and 0 < error_feedback <= 1),
-             f"error_feedback must be True, False or a decay in (0, 1] (got {error_feedback!r})")
+    ef_problem = check_error_feedback(error_feedback)
+    _require(ef_problem is None, str(ef_problem))
     _require(not error_feedback or quantize != "none" or topk is not None,
              "error_feedback needs a lossy quantize format or topk (got quantize none)")
     _require(topk is None or error_feedback,

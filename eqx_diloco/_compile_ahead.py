@@ -9,7 +9,7 @@ that the later call `f(...)` uses, so these functions compile them where waiting
 """
 
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -22,6 +22,15 @@ if TYPE_CHECKING:
 _compiled_ahead: "weakref.WeakSet[Callable]" = weakref.WeakSet()  # install programs compiled by the function below
 
 
+def _abstract(shapes: Any, shardings: Any, mesh: Mesh | None = None) -> Any:
+    """`shapes` (leaves with shape, dtype, weak_type) as ShapeDtypeStructs laid out as `shardings` (their
+    specs on `mesh`, if given); a weak leaf stays weak, or it would be another program."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s if mesh is None else NamedSharding(mesh, s.spec),
+                                          weak_type=x.weak_type),
+        shapes, shardings)
+
+
 def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple, mesh: Mesh) -> None:
     """Compile the jitted `install(state, *arriving)` now (once), for values that will arrive on `mesh`.
 
@@ -30,11 +39,7 @@ def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple,
     """
     if install in _compiled_ahead:  # one program per group and object: its shapes never change
         return
-    arrived = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec),
-                                       weak_type=x.weak_type),  # a weak leaf would be another program
-        arriving,
-    )
+    arrived = _abstract(arriving, jax.tree.map(lambda x: x.sharding, arriving), mesh)
     install.lower(state, *arrived).compile()
     _compiled_ahead.add(install)
 
@@ -56,13 +61,7 @@ def compile_outer_ahead(diloco: "DiLoCo", state: TrainState) -> None:
             continue
         fns["merge"].lower(state).compile()
         extracted = fns["extract"].lower(state).compile().output_shardings
-        mesh = outer.comm_mesh or outer.mesh
-        inputs = jax.tree.map(
-            lambda x, sharding, mesh=mesh: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=NamedSharding(mesh, sharding.spec), weak_type=x.weak_type),
-            jax.eval_shape(fns["extract"], state), extracted)
-        launched = fns["launch"].lower(*inputs).compile()
-        global_values, outer_state, _, residuals = jax.tree.map(
-            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type),
-            jax.eval_shape(fns["launch"], *inputs), launched.output_shardings)
+        inputs = _abstract(jax.eval_shape(fns["extract"], state), extracted, outer.comm_mesh or outer.mesh)
+        launched = fns["launch"].lower(*inputs).compile().output_shardings
+        global_values, outer_state, _, residuals = _abstract(jax.eval_shape(fns["launch"], *inputs), launched)
         compile_install_ahead(fns["install"], state, (global_values, outer_state, residuals), outer.mesh)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray
 
 from . import schedule
-from ._arguments import check_arguments, check_batch
+from ._arguments import check_arguments, check_batch, error_feedback_decay
 from ._codec import Codec
 from ._compile_ahead import compile_outer_ahead
 from ._errors import ConfigError
@@ -198,7 +198,7 @@ class DiLoCo(Results, Persistence, Traffic):
         self.outer_optimizer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
         self.fragment_pattern, self.overlap_steps, self.alpha = fragment_pattern, overlap_steps, alpha
         self.quantize, self.error_feedback, self.exchange = quantize, bool(error_feedback), exchange
-        self.error_feedback_decay = 1.0 if isinstance(error_feedback, bool) else float(error_feedback)
+        self.error_feedback_decay = error_feedback_decay(error_feedback)
         self.topk, self.topk_chunk = topk, topk_chunk
         self.wire = Codec(quantize, topk, topk_chunk)  # what an outer gradient becomes on the wire
         self.outer_overlap = outer_overlap if algorithm == "diloco" else "none"

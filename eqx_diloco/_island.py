@@ -20,6 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float32
 
 from . import quantize as codec
+from ._arguments import check_error_feedback, error_feedback_decay
 from ._errors import ConfigError
 from ._fragments import Fragmenter, Pattern
 from ._rpc import SyncerClient, SyncRefused
@@ -72,10 +73,10 @@ class Island:
             self.fragmenter = Fragmenter.for_model(params, layers, num_fragments, fragment_pattern)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if not (isinstance(error_feedback, bool) or 0 < error_feedback <= 1):
-            raise ConfigError(f"error_feedback must be True, False or a decay in (0, 1] (got {error_feedback!r})")
+        if (problem := check_error_feedback(error_feedback)) is not None:
+            raise ConfigError(problem)
         self.client, self.island, self.fmt, self.error_feedback = client, island, quantize, bool(error_feedback)
-        self.ef_decay = 1.0 if isinstance(error_feedback, bool) else float(error_feedback)
+        self.ef_decay = error_feedback_decay(error_feedback)
         self.num_fragments = num_fragments
         self.sizes = [v.size for v in fragment_vectors(params, self.fragmenter)]
         self.versions = [0] * num_fragments
@@ -121,7 +122,7 @@ class Island:
         current = self._vector(model, fragment)
         delta = self.base[fragment] - current
         if self.error_feedback:
-            delta = delta + (self.residuals[fragment] if self.ef_decay == 1 else self.ef_decay * self.residuals[fragment])
+            delta = delta + self.ef_decay * self.residuals[fragment]  # x 1.0 is exact: classic error feedback
         payload, residual = self._encode(jnp.asarray(delta), self.fmt)
         if self.error_feedback:
             self.residuals[fragment] = np.asarray(residual)

@@ -83,15 +83,14 @@ def replica_mean(values: list[Array], finite: Array, *, fmt: str, method: str, s
         totals = unflatten_like(total[:-1], [v[0] for v in values])
         count = jnp.maximum(total[-1], 1.0)
         return [t / count for t in totals], None
-    else:
-        flat = jnp.concatenate([v.reshape(K, -1) for v in values], axis=1)
-        total, error = exchange_sum(flat, weight, fmt, method=method)
-        totals = unflatten_like(total, [v[0] for v in values])
-        # A non-finite replica's residual restarts from zero (with it the owner's error e2 of the
-        # chunk it owns in a two-phase exchange: one rounding of one sync, lost once).
-        error = jnp.where(finite[:, None], error, jnp.zeros_like(error))
-        offsets = np.cumsum([int(np.prod(v.shape[1:])) for v in values])[:-1]
-        own_error = [piece.reshape(v.shape) for piece, v in zip(jnp.split(error, offsets, axis=1), values)]
+    flat = jnp.concatenate([v.reshape(K, -1) for v in values], axis=1)
+    total, error = exchange_sum(flat, weight, fmt, method=method)
+    totals = unflatten_like(total, [v[0] for v in values])
+    # A non-finite replica's residual restarts from zero (with it the owner's error e2 of the
+    # chunk it owns in a two-phase exchange: one rounding of one sync, lost once).
+    error = jnp.where(finite[:, None], error, jnp.zeros_like(error))
+    offsets = np.cumsum([int(np.prod(v.shape[1:])) for v in values])[:-1]
+    own_error = [piece.reshape(v.shape) for piece, v in zip(jnp.split(error, offsets, axis=1), values)]
     count = jnp.maximum(jax.lax.psum(jnp.sum(weight), "diloco"), 1.0)
     return [t / count for t in totals], own_error
 
