@@ -26,7 +26,7 @@ from ._arguments import check_arguments, check_batch, error_feedback_decay
 from ._codec import Codec
 from ._compile_ahead import compile_outer_ahead
 from ._errors import ConfigError
-from ._mesh import as_full_mesh, build_meshes
+from ._mesh import as_full_mesh, build_meshes, check_comm_mesh
 from ._persistence import Persistence
 from ._programs import FIELDS as PROGRAM_FIELDS
 from ._programs import Programs, build_programs, is_trainable, signature
@@ -107,8 +107,9 @@ class DiLoCo(Results, Persistence, Traffic):
     - `on_nonfinite`: `stop` (outer gradients are averaged as they are; whoever reads the
       metrics stops) or `skip` (a non-finite replica keeps its step / is left out of the mean).
     - `data_parallel`: devices per replica on the `data` mesh axis.
-    - `comm_device`: with tau > 0, run syncs on one extra device per mesh row so they
-      overlap compute for real: `auto` (on CPU, where the process has the devices), `on`, `off`.
+    - `comm_device`: with tau > 0, run syncs on extra devices so they overlap compute for real,
+      `fsdp x tensor` of them per mesh row (one per shard): `auto` (on CPU, where the process
+      has the devices), `on`, `off`.
     - `algorithm`: `diloco`, or `ddp` (gradients averaged every step; the baseline).
     - `replicas_per_device`: K, replicas that share one row of `data_parallel` devices, run
       vmapped in one program (a sync sums them before the `psum` over `diloco`); must divide
@@ -219,8 +220,7 @@ class DiLoCo(Results, Persistence, Traffic):
         _require(outer_state_memory == "device" or "pinned_host" in kinds,
                  f"outer_state_memory host needs the 'pinned_host' memory kind, which {mesh.devices.flat[0].platform} "
                  f"devices do not have (they have {', '.join(sorted(kinds))})")
-        _require(comm_mesh is None or self.fsdp * self.tensor == 1,
-                 "comm_mesh needs fsdp = tensor = 1: a sharded island runs its syncs on its own devices")
+        check_comm_mesh(mesh, comm_mesh)
         rows = mesh.shape["diloco"]
         _require(num_replicas % rows == 0 and replicas_per_device in (None, num_replicas // rows),
                  f"mesh has {rows} rows on 'diloco': num_replicas ({num_replicas}) must be rows x replicas_per_device"

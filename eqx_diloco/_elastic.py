@@ -33,7 +33,6 @@ import optax
 from jax.experimental import multihost_utils
 
 from ._errors import ConfigError
-from ._replica_values import _local_rows
 from ._state import REPLICA_FIELDS, TrainState
 from ._wire import WireFormatError, decode, encode_chunks
 
@@ -140,15 +139,41 @@ class IslandSnapshots:
 def island_payload(state: TrainState, *, step: int, replica: int, island: int) -> dict[str, Any]:
     """Host copies of what island `island` (replica `replica` of `state`) needs to come back at `step`.
 
-    Blocks until `state` is computed. Shared fields are read from this process's first
-    shard (every device holds them in full); own fields are the island's replica's rows.
+    Blocks until `state` is computed. Every field is put together from this process's shards:
+    an island's devices all live in its process, so a sharded island (fsdp / tensor) writes the
+    same whole arrays as a replicated one, and any island layout can re-form from them. Shared
+    fields are whole; own fields are the island's replica's rows.
     """
     if state.mail_own is not None:
         raise ConfigError("elastic islands need a shared theta_g: --diloco.outer-overlap eager is not elastic")
-    shared = {name: [np.asarray(x.addressable_shards[0].data) for x in _leaves(getattr(state, name))]
-              for name in SHARED_FIELDS}
-    own = {name: [_local_rows(x)[replica] for x in _leaves(getattr(state, name))] for name in REPLICA_FIELDS}
+    shared = {name: [_host_copy(x) for x in _leaves(getattr(state, name))] for name in SHARED_FIELDS}
+    own = {name: [_host_copy(x, replica) for x in _leaves(getattr(state, name))] for name in REPLICA_FIELDS}
     return {"step": step, "island": island, "shared": shared, "own": own}
+
+
+def _host_copy(x: jax.Array, replica: int | None = None) -> np.ndarray:
+    """`x` (with `replica`: its row `replica` of the leading replica axis) on the host, from this process's
+    shards; each distinct shard is copied once. Raises if this process does not hold all of it."""
+    shape = x.shape if replica is None else x.shape[1:]
+    out, filled, seen = np.empty(shape, x.dtype), 0, set()
+    for shard in x.addressable_shards:
+        index = shard.index
+        if replica is not None:
+            start, stop, _ = index[0].indices(x.shape[0])
+            if not start <= replica < stop:
+                continue
+            index = index[1:]
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        data = np.asarray(shard.data)
+        out[index] = data if replica is None else data[replica - start]
+        filled += int(np.prod([b - a for a, b in key]))
+    if filled != out.size:
+        raise ConfigError("elastic islands need each island's devices in one process (this process holds part of "
+                          "an island's arrays)")
+    return out
 
 
 def agree_on_step(snapshots: IslandSnapshots) -> tuple[int | None, int]:

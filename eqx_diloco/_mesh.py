@@ -3,9 +3,9 @@
 Each row of the compute mesh owns `data x fsdp x tensor` compute devices (one island: its
 parameters are sharded over `fsdp` and `tensor`, see `_sharding`) and holds K replicas
 (`replicas_per_device`, 1 unless a process has fewer devices than replicas); when syncs
-overlap compute, each row has one extra *communication device* (its row of the
-communication mesh). On
-CPU hosts a collective inside the compute program, or a second program on the same
+overlap compute, each row has its own *communication devices* (its row of the communication mesh, shape
+(1, fsdp, tensor): one partner for each shard of the island, so a sync gathers nothing).
+On CPU hosts a collective inside the compute program, or a second program on the same
 device, blocks compute; a program on a second local device runs beside it. All devices
 of a row live in one process, so moving data between its compute and communication
 devices is a local copy.
@@ -64,13 +64,14 @@ def ensure_cpu_devices(count: int) -> None:
 
 def too_few_devices(
     need: int, *, process: int, have: int, platform: str, comm: bool, local_replicas: int, per_device: int = 1,
-    row: str = "data_parallel",
+    row: str = "data_parallel", comm_per_row: int = 1,
 ) -> ConfigError:
     """The one-line error for a process with `have` devices where the mesh needs `need`; what to do
     differs between a CPU (simulate more) and an accelerator (share the devices). `per_device`
     is the K that did not fit: once it holds all `local_replicas`, only fewer devices per row help.
-    `row` names the devices of one row (`data_parallel x fsdp x tensor` for a sharded island)."""
-    comm_part = " + 1 communication device" if comm else ""
+    `row` names the devices of one row (`data_parallel x fsdp x tensor` for a sharded island), which
+    has `comm_per_row` communication devices (`fsdp x tensor`) where `comm`."""
+    comm_part = f" + {comm_per_row} communication device{'s' if comm_per_row > 1 else ''}" if comm else ""
     if platform == "cpu":
         hint = f"on CPU call eqx_diloco.use_cpu_devices({need}) before JAX starts"
     elif per_device >= local_replicas:
@@ -91,9 +92,14 @@ def as_full_mesh(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices[..., None, None], AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def row_devices(mesh: Mesh) -> np.ndarray:
-    """The devices of each row (replica group) of `mesh`, shape (rows, devices per row)."""
-    return mesh.devices.reshape(mesh.devices.shape[0], -1)
+def check_comm_mesh(mesh: Mesh, comm_mesh: Mesh | None) -> None:
+    """Refuse a communication mesh that is not one partner device for each shard of each row of `mesh`."""
+    if comm_mesh is None:
+        return
+    want = {"diloco": mesh.shape["diloco"], "data": 1, "fsdp": mesh.shape["fsdp"], "tensor": mesh.shape["tensor"]}
+    if dict(comm_mesh.shape) != want:
+        raise ConfigError(f"comm_mesh must have the shape {want} (a partner device for each shard of a row of mesh; "
+                          f"got {dict(comm_mesh.shape)})")
 
 
 def build_meshes(
@@ -115,11 +121,11 @@ def build_meshes(
       processes i S .. i S + S - 1), and has no communication device.
     - `data`: devices per row on the `data` axis.
     - `fsdp`, `tensor`: devices per row on the `fsdp` and `tensor` axes (a sharded island);
-      with either above 1 a row holds one replica and has no communication device (`on` is
-      refused, `auto` turns it off).
-    - `comm_device`: `on` gives every row one extra communication device; `auto` does so on
-      CPU only (where a second program on the same device would not overlap), and only
-      where the process has the devices for it; `off`.
+      with either above 1 a row holds one replica.
+    - `comm_device`: `on` gives every row `fsdp x tensor` extra communication devices (one
+      for each shard of its island; one for an unsharded row); `auto` does so on CPU only
+      (where a second program on the same device would not overlap), and only where the
+      process has the devices for it; `off`. An island that spans processes has none.
     - `replicas_per_device`: K, replicas held (and vmapped) by each row of the mesh; must
       divide each process's R / process-count replicas. None picks the smallest K for which
       the process has enough devices (1 where it has one row per replica).
@@ -129,15 +135,12 @@ def build_meshes(
     mesh).
     """
     sharded = fsdp * tensor > 1
-    if sharded and comm_device == "on":
-        raise ConfigError(f"comm_device on needs fsdp = tensor = 1 (got fsdp={fsdp}, tensor={tensor}): a sharded "
-                          f"island runs its syncs on its own devices")
     if sharded and replicas_per_device not in (None, 1):
         raise ConfigError(f"replicas_per_device must be 1 with fsdp or tensor > 1 (got {replicas_per_device}): an "
                           f"island spans devices, replicas do not share them")
     if sharded:
-        comm_device, replicas_per_device = "off", 1
-    R, D = num_replicas, data * fsdp * tensor
+        replicas_per_device = 1
+    R, D, C = num_replicas, data * fsdp * tensor, fsdp * tensor  # C: communication devices of a row
     num_processes = jax.process_count()
     check_replicas_per_process(R, num_processes, replicas_per_device)
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
@@ -150,7 +153,7 @@ def build_meshes(
     comm_wanted = comm_device == "on" or (comm_device == "auto" and platform == "cpu")
 
     def fits(k: int, comm: bool) -> bool:
-        return local_replicas // k * (D + int(comm)) <= have
+        return local_replicas // k * (D + C * int(comm)) <= have
 
     divisors = [k for k in range(1, local_replicas + 1) if local_replicas % k == 0]
     K, comm = replicas_per_device, comm_wanted
@@ -165,16 +168,16 @@ def build_meshes(
     elif comm_device == "auto" and not fits(K, comm):
         comm = False
     rows = local_replicas // K
-    per_process = rows * (D + int(comm))
+    per_process = rows * (D + C * int(comm))
     for p, devices in enumerate(by_process):
         if len(devices) < per_process:
             raise too_few_devices(per_process, process=p, have=len(devices), platform=platform, comm=comm,
-                                  local_replicas=local_replicas, per_device=K,
+                                  local_replicas=local_replicas, per_device=K, comm_per_row=C,
                                   row="data_parallel x fsdp x tensor" if sharded else "data_parallel")
     compute_rows, comm_rows = [], []
     for devices in by_process:
         compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, data, fsdp, tensor))
-        comm_rows.append(np.asarray(devices[rows * D : per_process]).reshape(rows, int(comm), 1, 1))
+        comm_rows.append(np.asarray(devices[rows * D : per_process]).reshape(rows, int(comm), fsdp, tensor))
     auto = (AxisType.Auto,) * len(AXES)
     mesh = Mesh(np.concatenate(compute_rows), AXES, axis_types=auto)
     comm_mesh = Mesh(np.concatenate(comm_rows), AXES, axis_types=auto) if comm else None

@@ -30,8 +30,7 @@ from ._compile_ahead import compile_install_ahead
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
 from ._tree import all_finite, cast_like, row_finite
 from ._groups import ParamGroup
-from ._mesh import row_devices
-from ._sharding import all_rows_finite, per_payload, sharded_axes, value_specs_in
+from ._sharding import all_rows_finite, axes_of, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
 
 PyTree = Any
@@ -171,22 +170,27 @@ def _then_merge(sync, merge):
 
 
 def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
-    """Copy arrays sharded PartitionSpec() or PartitionSpec("diloco") on `src` to the same spec on `dst`.
+    """Copy arrays from `src` to the same PartitionSpecs on `dst`, device by device.
 
-    Row r of both meshes holds the same replicas (r K .. r K + K - 1) in one process, so every
-    copy is local to its process (a global `device_put` across device sets is refused in multi-controller
-    JAX). The device that holds replica r's data on `src` is `src.devices[r, 0]`.
+    The compute mesh and the communication mesh agree on `diloco`, `fsdp` and `tensor`; the
+    communication mesh has one device on `data` (over which values are replicated). So the
+    device at (r, d, f, t) of `dst` holds what the device at (r, d mod |data of src|, f, t) of
+    `src` holds: every copy is a local one, within one process (a global `device_put` across
+    device sets is refused in multi-controller JAX), and nothing is gathered.
     """
-    src_row = {d: r for r, d in enumerate(row_devices(src)[:, 0])}
+    src_data = src.shape["data"]
+    position = {d: index for index, d in np.ndenumerate(src.devices)}
 
     def move(x):
         spec = x.sharding.spec
-        by_row = {src_row[s.device]: s.data for s in x.addressable_shards if s.device in src_row}
+        if any("data" in axes_of(entry) for entry in spec):
+            raise ValueError(f"move_to_mesh copies values replicated over 'data', not one laid out as {spec}")
+        held = {position[s.device]: s.data for s in x.addressable_shards if s.device in position}
         sharding = NamedSharding(dst, spec)
         pieces = []
         for device in sharding.addressable_devices:
-            row = int(np.argwhere(dst.devices == device)[0][0])
-            pieces.append(jax.device_put(by_row[row], device))
+            r, d, f, t = (int(i) for i in np.argwhere(dst.devices == device)[0])
+            pieces.append(jax.device_put(held[(r, d % src_data, f, t)], device))
         return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
 
     return jax.tree.map(move, tree)
@@ -263,10 +267,11 @@ class OuterSync:
             fns["extract"].append(jax.jit(self._extract_fn(i, group)))
             fns["install"].append(jax.jit(self._install_fn(i, group), donate_argnums=0, out_shardings=self.shardings))
             on_comm = lambda spec: NamedSharding(comm_mesh, spec)  # noqa: E731
-            # On the compute mesh (no communication devices: always so for sharded islands) the
-            # results keep the layout of the exchange's outputs; nothing is gathered in an island.
-            on_comm_mesh = (on_comm(replicated), on_comm(replicated), on_comm(replica), on_comm(replica))
-            fns["launch"].append(jax.jit(comm_core, out_shardings=on_comm_mesh if self.comm_mesh is not None else None))
+            # Results of a sharded island (and any on the compute mesh) keep the layout of the
+            # exchange's outputs, each device's own shard: nothing is gathered in an island.
+            placed = (on_comm(replicated), on_comm(replicated), on_comm(replica), on_comm(replica)) \
+                if self.comm_mesh is not None and specs is None else None
+            fns["launch"].append(jax.jit(comm_core, out_shardings=placed))
         self._fns = {k: tuple(v) for k, v in fns.items()}
 
     def _core(self, exchange):

@@ -71,10 +71,6 @@ class Persistence:
 
     # -- elastic islands (one replica per process; see `_elastic`) ------------------------------
 
-    def _require_whole_islands(self) -> None:
-        _require(self.fsdp * self.tensor == 1, "elastic islands need fsdp = tensor = 1 (an island snapshot holds a "
-                 f"whole replica; got fsdp={self.fsdp}, tensor={self.tensor})")
-
     @property
     def settled(self) -> bool:
         """Whether no sync is in flight: right after a sync or merge, a sync boundary."""
@@ -90,7 +86,6 @@ class Persistence:
         Call it at a sync boundary (`settled`); blocks until `state` is computed. Write the
         result with `IslandSnapshots.write`.
         """
-        self._require_whole_islands()
         _require(self.settled, "island_snapshot needs a sync boundary: no sync may be in flight")
         return island_payload(state, step=self._current_step(state), replica=self.own_replica(), island=island)
 
@@ -103,7 +98,6 @@ class Persistence:
         fresh PRNG stream. Needs `init`, `abstract` or `restore` first (for the shapes).
         """
         _require(self._programs is not None, "call abstract(model) (or init / restore) before reform")
-        self._require_whole_islands()
         step, source = agree_on_step(snapshots)
         if step is None:
             return None

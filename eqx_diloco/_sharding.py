@@ -32,7 +32,7 @@ PyTree = Any
 INNER_AXES = ("fsdp", "tensor")
 
 
-def _axes_of(entry) -> tuple[str, ...]:
+def axes_of(entry) -> tuple[str, ...]:
     """The mesh axes one entry of a PartitionSpec names (None, a name, or a tuple of names)."""
     if entry is None:
         return ()
@@ -50,7 +50,7 @@ def _fsdp_rule(leaves: list, fsdp: int, in_stack: tuple[bool, ...], bases: list[
     out = []
     for x, spec, stacked in zip(leaves, bases, in_stack):
         entries = list(spec) + [None] * (len(x.shape) - len(spec))
-        named = {a for e in entries for a in _axes_of(e)}
+        named = {a for e in entries for a in axes_of(e)}
         # An array the tensor rules leave whole is spread over the tensor devices too, so no
         # device of the island holds (or sends) more than its share of it.
         options = [(("fsdp", "tensor"), fsdp * tensor)] if tensor > 1 and "tensor" not in named else []
@@ -132,7 +132,7 @@ def check_specs(
         shape = tuple(x.shape)
         if len(spec) > len(shape):
             raise ConfigError(f"param_specs gives {path} (shape {shape}) a spec of {len(spec)} dimensions: {spec}")
-        used = [a for entry in spec for a in _axes_of(entry)]
+        used = [a for entry in spec for a in axes_of(entry)]
         for axis in used:
             if axis not in INNER_AXES:
                 raise ConfigError(f"param_specs names axis {axis!r} for {path}; a replica's parameters shard "
@@ -140,7 +140,7 @@ def check_specs(
         if len(set(used)) != len(used):
             raise ConfigError(f"param_specs uses an axis twice in the spec of {path}: {spec}")
         for dim, entry in enumerate(spec):
-            axes = _axes_of(entry)
+            axes = axes_of(entry)
             if axes and stacked and dim == 0:
                 raise ConfigError(f"param_specs shards the layer axis of {path}; fragments slice that axis, so it "
                                   f"stays whole (shard another dimension)")
@@ -180,7 +180,7 @@ def local_shape(shape: tuple[int, ...], spec: PartitionSpec, sizes: dict[str, in
     """The shape of one device's shard of an array of `shape` laid out by `spec`."""
     out = list(shape)
     for dim, entry in enumerate(spec):
-        for axis in _axes_of(entry):
+        for axis in axes_of(entry):
             out[dim] //= sizes[axis]
     return tuple(out)
 

@@ -45,7 +45,7 @@ def train(diloco: DiLoCo, steps: int, state=None, start: int = 0):
     state = diloco.init(Transformer(CONFIG, key=jax.random.key(0))) if state is None else state
     losses = []
     for t in range(start, start + steps):
-        state, metrics = diloco.step(state, batch(t))
+        state, metrics = diloco.step(state, batch(t)[: diloco.num_replicas])
         losses.append(np.asarray(metrics["loss"]))
     return state, np.stack(losses)
 

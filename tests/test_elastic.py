@@ -138,9 +138,11 @@ def _differs_from(actual: list, other: list) -> bool:
 
 @pytest.mark.slow
 def test_kill_one_of_three_islands_the_rest_train_on_and_it_rejoins(tmp_path):
+    """Each island is sharded over 2 devices of its process (test_elastic_benchmark_smoke runs whole ones)."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "3", "--max-restarts", "1",
-           "--rejoin-after-s", "0", "--log-dir", str(tmp_path / "logs"), "--", "--run-dir", str(run), *TRAIN_FLAGS]
+           "--rejoin-after-s", "0", "--log-dir", str(tmp_path / "logs"), "--", "--run-dir", str(run), *TRAIN_FLAGS,
+           "--mesh.fsdp", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -14,12 +14,13 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from sharded_util import CONFIG, REPO, R, batch, make_core
+from sharded_util import CONFIG, REPO, R, batch, make_core, relative, train
 
 from benchmarks.memory import state_bytes_per_device  # device memory only, from shapes and shardings
 from eqx_diloco import ConfigError, fsdp_specs
 from eqx_diloco import quantize as q
-from eqx_diloco._outer import mean_outer_gradient
+from eqx_diloco._mesh import build_meshes
+from eqx_diloco._outer import mean_outer_gradient, move_to_mesh
 from models.transformer import Transformer
 
 
@@ -107,7 +108,8 @@ def test_wire_bytes_per_device_are_a_shard_of_the_replicas():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(fsdp=0), "fsdp must be an int >= 1"),
     (dict(tensor=2, param_specs=None), "tensor=2 needs param_specs="),
-    (dict(fsdp=2, comm_device="on", overlap_steps=1, num_fragments=2), "comm_device on needs fsdp = tensor = 1"),
+    (dict(fsdp=4, comm_device="on", overlap_steps=1, num_fragments=2),
+     r"\(data_parallel x fsdp x tensor \+ 4 communication devices\) needs 16 devices per process"),
     (dict(fsdp=2, replicas_per_device=2), "replicas_per_device must be 1 with fsdp or tensor > 1"),
     (dict(fsdp=8), "needs 16 devices per process"),
     (dict(fsdp=2, param_specs=lambda m: jax.tree.map(lambda _: PartitionSpec("data"), m)),
@@ -168,13 +170,31 @@ def test_outer_state_memory_is_checked():
         make_core(outer_state_memory="host", outer_overlap="delayed")
 
 
+def test_a_communication_mesh_must_partner_every_shard():
+    mesh, _ = build_meshes(R, fsdp=2)
+    _, unsharded_comm = build_meshes(R, comm_device="on")
+    with pytest.raises(ConfigError, match=r"comm_mesh must have the shape \{'diloco': 2, 'data': 1, 'fsdp': 2, "
+                                          r"'tensor': 1\} \(a partner device for each shard") as error:
+        make_core(mesh=mesh, comm_mesh=unsharded_comm, overlap_steps=1, num_fragments=2)
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.slow  # compiles; the fast tier keeps test_fsdp_alone_trains_like_replicated
-def test_an_outer_sync_gathers_nothing_inside_an_island():
-    """The sync's only collectives are the reductions over `diloco` (and the island's finite flags)."""
-    diloco = make_core(fsdp=2, tensor=2, num_fragments=3, sync_period=6, overlap_steps=1)
+@pytest.mark.parametrize("comm", ["off", "on"])
+def test_an_outer_sync_gathers_nothing_inside_an_island(comm):
+    """The sync's only collectives are the reductions over `diloco` (and the island's finite flags), on
+    the island's own devices or on its communication devices (one partner holding each shard)."""
+    diloco = make_core(fsdp=2, tensor=2 if comm == "off" else 1, num_fragments=3, sync_period=6, overlap_steps=1,
+                       comm_device=comm)
     state = diloco.init(Transformer(CONFIG, key=jax.random.key(0)))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    programs = {"launch": diloco.outer._fns["launch"][1].lower(*diloco.outer._fns["extract"][1](state)),
+    launched = diloco.outer._fns["extract"][1](state)
+    if comm == "on":
+        launched = move_to_mesh(launched, diloco.mesh, diloco.comm_mesh)
+        q_values = launched[0][0]  # the fragment's replica values of the first leaf (attention q)
+        assert set(q_values.sharding.device_set) == set(diloco.comm_mesh.devices.flat)
+        assert q_values.addressable_shards[0].data.shape[2] == q_values.shape[2] // 2  # a shard, not gathered
+    programs = {"launch": diloco.outer._fns["launch"][1].lower(*launched),
                 "merge": diloco.outer._fns["merge"][1].lower(abstract),
                 "sync_and_merge": diloco.outer._fns["sync_and_merge"][2].lower(abstract)}
     for name, lowered in programs.items():
@@ -197,15 +217,38 @@ def test_a_billion_parameter_island_compiles_on_abstract_inputs(tmp_path):
     assert sharded["wire_bytes_per_device"] <= 1.01 * replicated["wire_bytes_per_device"] / 8
 
 
-def test_elastic_islands_are_refused_for_sharded_islands(tmp_path):
+@pytest.mark.slow  # three trainings
+def test_an_elastic_sharded_island_reforms_on_any_layout(tmp_path):
+    """An island of fsdp 2 x tensor 2 snapshots whole arrays at its sync boundaries; an island re-formed
+    from the snapshot as fsdp 2 x tensor 2 or as one device holds the same state and trains on alike."""
     from eqx_diloco import IslandSnapshots
 
-    diloco = make_core(fsdp=2)
-    state = diloco.init(Transformer(CONFIG, key=jax.random.key(0)))
-    with pytest.raises(ConfigError, match="elastic islands need fsdp = tensor = 1"):
-        diloco.island_snapshot(state, island=0)
-    with pytest.raises(ConfigError, match="elastic islands need fsdp = tensor = 1"):
-        diloco.reform(IslandSnapshots(tmp_path), island=0, key=jax.random.key(0))
+    model = Transformer(CONFIG, key=jax.random.key(0))
+    one = dict(num_replicas=1, num_fragments=2, sync_period=4, overlap_steps=1, alpha=0.5, quantize="int4",
+               error_feedback=True, comm_device="off")
+    diloco = make_core(fsdp=2, tensor=2, **one)
+    snapshots = IslandSnapshots(tmp_path / "island-0")
+    state = diloco.init(model)
+    for t in range(7):
+        state, metrics = diloco.step(state, batch(t)[:1])
+        if (metrics["synced_fragment"] is not None or metrics["applied_fragment"] is not None) and diloco.settled:
+            snapshots.write(diloco.island_snapshot(state, island=0))
+    snapshots.wait()
+    S = snapshots.newest()
+    assert S is not None and S > 2
+    state, _ = train(make_core(fsdp=2, tensor=2, **one), S)
+    want = [np.asarray(x) for x in jax.tree.leaves(state)]
+    losses = {}
+    for layout in (dict(fsdp=2, tensor=2), dict()):
+        reformed = make_core(**layout, **one)
+        reformed.abstract(model)
+        got = reformed.reform(snapshots, island=0, key=jax.random.key(1))
+        assert int(got.step) == S
+        for a, b in zip(jax.tree.leaves(got), want):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        _, losses[bool(layout)] = train(reformed, 4, got, start=S)
+    # int4 scales are per block of a device's shard: the two layouts round their next syncs differently.
+    assert relative(losses[False], losses[True]) <= 1e-3
 
 
 def test_a_batch_the_island_cannot_split_is_refused():

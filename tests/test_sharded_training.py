@@ -79,6 +79,34 @@ def test_fsdp_alone_trains_like_replicated():
     assert max(relative(g, w) for g, w in zip(got, want)) <= 1e-5
 
 
+@pytest.mark.slow  # three trainings
+@pytest.mark.parametrize("mode", ["none", "eager"])
+def test_syncs_on_communication_devices_of_a_sharded_island(mode):
+    """Overlapped syncs (tau = 1, or eager outer steps) run on `fsdp` partner devices per island, each
+    holding its compute device's shard: float32 trains like the replicated run, int4 with error
+    feedback like the same island syncing on its own devices."""
+    overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, alpha=0.5) if mode == "none" else \
+        dict(outer_overlap="eager")
+    replicated = make_core(**overrides)
+    state, losses = train(replicated, 18)
+    want = finished_model(replicated, state)
+    sharded = make_core(fsdp=2, comm_device="on", **overrides)
+    assert dict(sharded.comm_mesh.shape) == {"diloco": 2, "data": 1, "fsdp": 2, "tensor": 1}
+    assert not set(sharded.comm_mesh.devices.flat) & set(sharded.mesh.devices.flat)
+    state, got_losses = train(sharded, 18)
+    assert relative(got_losses, losses) <= 1e-5
+    assert max(relative(g, w) for g, w in zip(finished_model(sharded, state), want)) <= 1e-5
+
+    quantized = dict(overrides, quantize="int4", error_feedback=True)
+    on_own = make_core(fsdp=2, comm_device="off", **quantized)
+    own_state, own_losses = train(on_own, 18)
+    on_comm = make_core(fsdp=2, comm_device="on", **quantized)
+    comm_state, comm_losses = train(on_comm, 18)
+    assert relative(comm_losses, own_losses) <= 1e-6
+    for got, expected in zip(finished_model(on_comm, comm_state), finished_model(on_own, own_state)):
+        assert relative(got, expected) <= 1e-6
+
+
 @pytest.mark.parametrize("fmt,tolerance,more", [
     pytest.param("int4", 1e-2, {}, marks=pytest.mark.slow),
     pytest.param("int4", 1e-2, dict(exchange="two_phase"), marks=pytest.mark.slow),

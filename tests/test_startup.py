@@ -59,7 +59,7 @@ def test_describe_setup_names_the_run():
     assert text.splitlines()[0] == ("eqx_diloco: Streaming DiLoCo, R=2 replicas, H=20, P=4 fragments, tau=1, "
                                    "quantize int4")
     assert f"{count / 1e6:.2f}M parameters" in text and "6 layers, width 128" in text
-    assert "mesh         diloco=2 x data=1" in text and "(+2 communication devices" in text
+    assert "mesh         diloco=2 x data=1" in text and "(2 of them communication devices" in text
     assert "2 x 8 sequences x 128 tokens = 2,048 tokens/step, 200 steps" in text
     assert "run dir      r/x" in text and "every 100 steps in r/x/checkpoints" in text
     assert "eqx_diloco: DDP" in describe_setup(Config(algorithm="ddp"))

@@ -135,7 +135,9 @@ def runtime_lines(config) -> list[str]:
     devices = jax.devices()
     platform = devices[0].platform if devices else "none"
     comm = wants_comm_device(config) and (d.comm_device == "on" or jax.default_backend() == "cpu")
-    extra = f" (+{d.num_replicas} communication devices for overlapped syncs)" if comm else ""
+    rows = d.num_replicas // (config.mesh.replicas_per_device or 1)
+    extra = f" ({rows * config.mesh.fsdp * config.mesh.tensor} of them communication devices for overlapped syncs)" \
+        if comm else ""
     num_processes = jax.process_count()
     procs, islands = "", []
     if num_processes > 1:

@@ -94,8 +94,8 @@ def wants_comm_device(config: "Config") -> bool:
 
 def devices_needed(config: "Config") -> int:
     """Devices per process: `--mesh.data x --mesh.fsdp x --mesh.tensor` per row of K replicas
-    (`--mesh.replicas-per-device`, 1 when automatic), plus one per row for communication (not for
-    sharded islands); where an island spans S processes, its devices / S. CPU runs simulate this many."""
+    (`--mesh.replicas-per-device`, 1 when automatic), plus `--mesh.fsdp x --mesh.tensor` per row for
+    communication; where an island spans S processes, its devices / S. CPU runs simulate this many."""
     layout = process_layout(config)
     num_processes, process_id = layout.num_processes, layout.process_id
     R = config.diloco.num_replicas
@@ -118,6 +118,6 @@ def devices_needed(config: "Config") -> int:
             raise ConfigError(f"an island spanning {S} processes ({R} replicas on {num_processes}) needs --mesh.data x "
                               f"--mesh.fsdp x --mesh.tensor divisible by {S} (got {island})")
         return island // S
-    comm = int(wants_comm_device(config)) if config.mesh.fsdp * config.mesh.tensor == 1 else 0
+    comm = int(wants_comm_device(config)) * config.mesh.fsdp * config.mesh.tensor  # a partner for each shard
     return R // num_processes // K * (island + comm)
 

@@ -58,7 +58,7 @@ class DiLoCoConfig:
     router_sync_period: int = 0
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
     comm_device: Literal["auto", "on", "off"] = "auto"
-    """with overlap (tau > 0), run each sync on a separate communication device per replica so it really overlaps compute: `auto` = on for CPU, `off` = dispatch it on the compute devices (correct everywhere)."""
+    """with overlap (tau > 0), run each sync on separate communication devices (one per replica, or per shard of a sharded island) so it really overlaps compute: `auto` = on for CPU, `off` = dispatch it on the compute devices (correct everywhere)."""
     outer_state_memory: Literal["device", "host"] = "device"
     """where theta_g and the outer optimizer state live between syncs: `device` memory, or the devices' `host` memory (JAX's pinned_host memory kind), which frees two parameter-sized copies per device; a sync or merge brings its fragment to the device. Needs --diloco.outer-overlap none."""
 
@@ -391,7 +391,5 @@ def validate(config: Config) -> None:
                  f"(--mesh.replicas-per-device 0 or 1, got {config.mesh.replicas_per_device})")
         _require(d.outer_overlap == "none", f"--elastic.enabled needs --diloco.outer-overlap none (got {d.outer_overlap}): "
                  "a whole-round exchange is always in flight, so there is no sync boundary to snapshot")
-        _require(config.mesh.fsdp * config.mesh.tensor == 1, "--elastic.enabled needs --mesh.fsdp 1 and --mesh.tensor 1 "
-                 f"(got {config.mesh.fsdp} and {config.mesh.tensor}): an island snapshot holds a whole replica")
         _require(config.elastic.keep_snapshots >= 2,
                  f"--elastic.keep-snapshots must be >= 2 (got {config.elastic.keep_snapshots})")
