@@ -80,13 +80,13 @@ def test_fsdp_alone_trains_like_replicated():
 
 
 @pytest.mark.slow  # three trainings
-@pytest.mark.parametrize("mode", ["none", "eager"])
+@pytest.mark.parametrize("mode", ["none", "delayed"])
 def test_syncs_on_communication_devices_of_a_sharded_island(mode):
-    """Overlapped syncs (tau = 1, or eager outer steps) run on `fsdp` partner devices per island, each
+    """Overlapped syncs (tau = 1, or delayed outer steps) run on `fsdp` partner devices per island, each
     holding its compute device's shard: float32 trains like the replicated run, int4 with error
     feedback like the same island syncing on its own devices."""
     overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, alpha=0.5) if mode == "none" else \
-        dict(outer_overlap="eager")
+        dict(outer_overlap="delayed")
     replicated = make_core(**overrides)
     state, losses = train(replicated, 18)
     want = finished_model(replicated, state)
