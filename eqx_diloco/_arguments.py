@@ -20,7 +20,7 @@ def _require(condition: bool, message: str) -> None:
 def check_topk(topk: float | None, chunk: int) -> str | None:
     """What is wrong with a top-k density and chunk size, naming the arguments (None if fine)."""
     if not (isinstance(chunk, int) and 8 <= chunk <= 65536 and 65536 % chunk == 0):
-        return f"topk_chunk must divide 65536 and be >= 8 (a power of two: positions are 1 or 2 bytes; got {chunk!r})"
+        return f"topk_chunk must divide 65536 and be >= 8 (a power of two; got {chunk!r})"
     if topk is None:
         return None
     if isinstance(topk, bool) or not (isinstance(topk, (int, float)) and math.isfinite(topk) and 0 < topk <= 1):

@@ -105,9 +105,16 @@ def test_a_process_other_than_0_writes_its_programs_only_where_every_process_may
     monkeypatch.setattr(distributed.global_state, "process_id", 1)  # as process 1 of a run sees itself
     cache = pathlib.Path(jax.config.jax_compilation_cache_dir)
     before = set(cache.iterdir())
-    unique = float(int.from_bytes(os.urandom(3), "little"))  # a program no earlier run compiled
-    jax.block_until_ready(jax.jit(lambda x: x * unique + 1.0)(jax.numpy.ones(3)))
-    assert bool({f for f in set(cache.iterdir()) - before if f.name.startswith("jit__lambda")}) == every_process
+    unique = int.from_bytes(os.urandom(3), "little")  # a program no earlier run compiled
+
+    def program(x):
+        return x * float(unique) + 1.0
+
+    # Its own name, so an entry another test's thread writes meanwhile is not taken for it.
+    program.__name__ = program.__qualname__ = f"startup_probe_{unique}"
+    jax.block_until_ready(jax.jit(program)(jax.numpy.ones(3)))
+    written = {f for f in set(cache.iterdir()) - before if f.name.startswith(f"jit_startup_probe_{unique}")}
+    assert bool(written) == every_process
 
 
 def test_cli_prints_the_banner_first_and_writes_its_phases(tmp_path, capsys):
