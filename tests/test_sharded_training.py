@@ -83,8 +83,8 @@ def test_fsdp_alone_trains_like_replicated():
 @pytest.mark.parametrize("mode", ["none", "delayed"])
 def test_syncs_on_communication_devices_of_a_sharded_island(mode):
     """Overlapped syncs (tau = 1, or delayed outer steps) run on `fsdp` partner devices per island, each
-    holding its compute device's shard: float32 trains like the replicated run, int4 with error
-    feedback like the same island syncing on its own devices."""
+    holding its compute device's shard: float32 trains like the replicated run, and (tau = 1) int4
+    with error feedback like the same island syncing on its own devices."""
     overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, alpha=0.5) if mode == "none" else \
         dict(outer_overlap="delayed")
     replicated = make_core(**overrides)
@@ -97,6 +97,8 @@ def test_syncs_on_communication_devices_of_a_sharded_island(mode):
     assert relative(got_losses, losses) <= 1e-5
     assert max(relative(g, w) for g, w in zip(finished_model(sharded, state), want)) <= 1e-5
 
+    if mode == "delayed":
+        return  # the quantized exchange on communication devices is the same program as tau = 1's
     quantized = dict(overrides, quantize="int4", error_feedback=True)
     on_own = make_core(fsdp=2, comm_device="off", **quantized)
     own_state, own_losses = train(on_own, 18)
