@@ -86,9 +86,9 @@ class DiLoCo(Results, Persistence, Traffic):
       chunk of `topk_chunk` values of an outer gradient, with their positions (SparseLoCo,
       see `_codec`); None sends everything. Needs `error_feedback` (what is left out is
       carried to the next sync).
-    - `topk_chunk`: values per top-k chunk, a power of two from 8 to 65536 (positions take 1
-      byte up to 256, else 2); the default 65536 selects nearly over the whole group, which
-      trained far better than 256-value chunks (see `_codec`).
+    - `topk_chunk`: values per top-k chunk, a power of two from 8 to 65536 (positions travel
+      as an Elias-Fano code per chunk); the default 65536 selects nearly over the whole group,
+      which trained far better than 256-value chunks (`benchmarks/compression.py`).
     - `error_feedback`: carry each replica's quantization residual to its next sync: True, or a
       decay beta in (0, 1] on the carried residual (SparseLoCo's accumulator, used with no outer
       momentum: beta 0.95; True is beta 1).
@@ -131,7 +131,8 @@ class DiLoCo(Results, Persistence, Traffic):
       inside a sync or merge, saving two parameter-sized copies per device between syncs.
       Needs `outer_overlap="none"`.
     - `mesh`, `comm_mesh`: bring your own ("diloco", "data", "fsdp", "tensor") or
-      ("diloco", "data") meshes instead.
+      ("diloco", "data") meshes instead (`comm_mesh`: rows x 1 x fsdp x tensor devices of
+      their own, each in the process of the shard it partners).
 
     **Precision.** theta_g, the outer optimizer state, error-feedback residuals and the eager
     mailboxes are float32 even where the model's parameters are bfloat16 or float16 (a small

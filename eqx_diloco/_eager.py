@@ -113,7 +113,8 @@ class OverlappedOuter:
         self.method = resolve_method(exchange, self.num_replicas, fmt)
         self.value_specs = value_specs or (None,) * len(groups)
         on = lambda spec: NamedSharding(exchange_mesh, spec)  # noqa: E731
-        # On the compute mesh of a sharded island the results keep the exchange's own layout.
+        # Results of a sharded island (on its own or its communication devices) keep the exchange's
+        # own layout: each device's shard, nothing gathered.
         placed = (on(PartitionSpec()), on(PartitionSpec("diloco")), on(PartitionSpec("diloco"))) \
             if value_specs is None else None
         self._exchange = [jax.jit(self._exchange_fn(exchange_mesh, specs), out_shardings=placed)

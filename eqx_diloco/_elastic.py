@@ -300,9 +300,12 @@ def _fresh_rows(diloco, shared: dict[str, list], key: jax.Array, step: int) -> d
     schedule at `step`), a zero residual."""
     abstract = diloco.abstract_state
     params = [np.asarray(x).astype(p.dtype) for x, p in zip(shared["global_params"], _leaves(abstract.params))]
-    params_tree = jax.tree.unflatten(jax.tree.structure(abstract.global_params), [jnp.asarray(p) for p in params])
-    fresh = schedules_at(jax.jit(diloco.inner_optimizer.init)(params_tree), step)
-    opt_state = [np.asarray(x) for x in _leaves(fresh)]
+    # On the host's CPU device: a whole replica may not fit one accelerator (a sharded island), and
+    # only this process runs it (a program over the run's mesh would need every process).
+    with jax.default_device(jax.devices("cpu")[0]):
+        params_tree = jax.tree.unflatten(jax.tree.structure(abstract.global_params), [jnp.asarray(p) for p in params])
+        fresh = schedules_at(jax.jit(diloco.inner_optimizer.init)(params_tree), step)
+        opt_state = [np.asarray(x) for x in _leaves(fresh)]
     keys = [np.asarray(jax.random.key_data(key))]
     residuals = [np.zeros(x.shape[1:], x.dtype) for x in _leaves(abstract.residuals)]
     return {"params": params, "opt_state": opt_state, "keys": keys, "residuals": residuals}

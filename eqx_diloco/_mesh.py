@@ -31,8 +31,8 @@ def use_cpu_devices(count: int) -> None:
     """Ask XLA for `count` simulated CPU devices; call it before any JAX computation.
 
     A CPU-only machine has one device by default, and `DiLoCo` wants R x `data_parallel`
-    devices (plus one communication device per replica when syncs overlap compute; with fewer
-    it packs replicas onto devices). This sets JAX's global `jax_num_cpu_devices`, which can
+    devices (plus one communication device per shard of each replica when syncs overlap
+    compute; with fewer it packs replicas onto devices). This sets JAX's global `jax_num_cpu_devices`, which can
     only change before JAX creates its backends: `DiLoCo` never calls it for you.
 
     **Arguments:**
@@ -100,6 +100,12 @@ def check_comm_mesh(mesh: Mesh, comm_mesh: Mesh | None) -> None:
     if dict(comm_mesh.shape) != want:
         raise ConfigError(f"comm_mesh must have the shape {want} (a partner device for each shard of a row of mesh; "
                           f"got {dict(comm_mesh.shape)})")
+    if set(comm_mesh.devices.flat) & set(mesh.devices.flat):
+        raise ConfigError("comm_mesh must not share devices with mesh: syncs overlap compute on devices of their own")
+    partners = comm_mesh.devices[:, 0]  # the partner of every (row, fsdp, tensor) shard
+    if any(p.process_index != d.process_index for p, d in zip(partners.flat, mesh.devices[:, 0].flat)):
+        raise ConfigError("comm_mesh must put each partner device in the process of the compute devices it partners "
+                          "(values move between them by local copies)")
 
 
 def build_meshes(
@@ -111,7 +117,7 @@ def build_meshes(
     fsdp: int = 1,
     tensor: int = 1,
 ) -> tuple[Mesh, Mesh | None]:
-    """The compute mesh (R / K, data, fsdp, tensor) and, if asked for, the communication mesh (R / K, 1, 1, 1).
+    """The compute mesh (R / K, data, fsdp, tensor) and, if asked for, the communication mesh (R / K, 1, fsdp, tensor).
 
     **Arguments:**
 

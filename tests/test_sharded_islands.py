@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sharded_util import CONFIG, REPO, R, batch, make_core, relative, train
 
 from benchmarks.memory import state_bytes_per_device  # device memory only, from shapes and shardings
@@ -177,6 +177,9 @@ def test_a_communication_mesh_must_partner_every_shard():
                                           r"'tensor': 1\} \(a partner device for each shard") as error:
         make_core(mesh=mesh, comm_mesh=unsharded_comm, overlap_steps=1, num_fragments=2)
     assert "\n" not in str(error.value)
+    on_compute_devices = Mesh(mesh.devices[:, :1], mesh.axis_names, axis_types=mesh.axis_types)
+    with pytest.raises(ConfigError, match="comm_mesh must not share devices with mesh"):
+        make_core(mesh=mesh, comm_mesh=on_compute_devices, overlap_steps=1, num_fragments=2)
 
 
 @pytest.mark.slow  # compiles; the fast tier keeps test_fsdp_alone_trains_like_replicated

@@ -92,8 +92,22 @@ def test_syncs_on_communication_devices_of_a_sharded_island(mode):
     want = finished_model(replicated, state)
     sharded = make_core(fsdp=2, comm_device="on", **overrides)
     assert dict(sharded.comm_mesh.shape) == {"diloco": 2, "data": 1, "fsdp": 2, "tensor": 1}
-    assert not set(sharded.comm_mesh.devices.flat) & set(sharded.mesh.devices.flat)
-    state, got_losses = train(sharded, 18)
+    state = sharded.init(Transformer(CONFIG, key=jax.random.key(0)))
+    # Where every launched exchange's results live: the communication devices, one shard on each.
+    placed, programs = [], sharded.outer if mode == "none" else sharded.overlapped
+    launch = programs.launch if mode == "none" else programs.sync
+
+    def recording(*args):
+        out = launch(*args)
+        in_flight = out if mode == "none" else out[1]
+        placed.extend(x.sharding for x in jax.tree.leaves(in_flight.outputs[0]))
+        return out
+
+    setattr(programs, "launch" if mode == "none" else "sync", recording)
+    state, got_losses = train(sharded, 18, state)
+    comm_devices = set(sharded.comm_mesh.devices.flat)
+    assert placed and all(set(s.device_set) == comm_devices for s in placed)
+    assert any("fsdp" in tuple(s.spec) for s in placed)
     assert relative(got_losses, losses) <= 1e-5
     assert max(relative(g, w) for g, w in zip(finished_model(sharded, state), want)) <= 1e-5
 

@@ -134,10 +134,8 @@ def runtime_lines(config) -> list[str]:
     d = config.diloco
     devices = jax.devices()
     platform = devices[0].platform if devices else "none"
-    comm = wants_comm_device(config) and (d.comm_device == "on" or jax.default_backend() == "cpu")
-    rows = d.num_replicas // (config.mesh.replicas_per_device or 1)
-    extra = f" ({rows * config.mesh.fsdp * config.mesh.tensor} of them communication devices for overlapped syncs)" \
-        if comm else ""
+    comm = _comm_devices(config) if wants_comm_device(config) else 0
+    extra = f" ({comm} of them communication devices for overlapped syncs)" if comm else ""
     num_processes = jax.process_count()
     procs, islands = "", []
     if num_processes > 1:
@@ -152,6 +150,18 @@ def runtime_lines(config) -> list[str]:
         cache += " (read back by process 0 only: on CPU the other processes compile every run)"
     return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config),
             *_compute_lines(config), f"  compilation  {cache}"]
+
+
+def _comm_devices(config) -> int:
+    """How many communication devices the run's meshes have (0 where it has none or they do not fit)."""
+    from .._errors import ConfigError
+    from ._devices import make_meshes
+
+    try:
+        _, comm_mesh = make_meshes(config)
+    except ConfigError:
+        return 0  # the trainer's own set-up reports it
+    return 0 if comm_mesh is None else comm_mesh.devices.size
 
 
 def _packing_lines(config) -> list[str]:

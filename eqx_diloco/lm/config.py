@@ -46,7 +46,7 @@ class DiLoCoConfig:
     topk: float | None = None
     """send only this fraction (a density in (0, 1], e.g. 0.03) of each chunk of an outer gradient, the largest in magnitude, with their positions (SparseLoCo); needs --diloco.error-feedback, which carries the rest to the next sync. Unset: send everything."""
     topk_chunk: int = 65536
-    """values per top-k chunk: a power of two from 8 to 65536 (positions take 1 byte up to 256, else 2). Large chunks select nearly over a whole fragment, which trained better than small ones (benchmarks/results/compression)."""
+    """values per top-k chunk: a power of two from 8 to 65536 (each chunk's positions travel as one Elias-Fano code, about log2(1/density) + 2 bits each). Large chunks select nearly over a whole fragment, which trained better than small ones (benchmarks/results/compression)."""
     error_feedback: bool = False
     """keep each replica's quantization residual and add it to its next outer gradient of the same fragment."""
     error_feedback_decay: float = 1.0
