@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec
 from sharded_util import CONFIG, R, batch, loss_fn, make_core, relative
 
 from benchmarks._elastic.observe import read_jsonl
@@ -332,7 +333,8 @@ def test_the_island_refuses_a_syncer_of_another_model(service):
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(algorithm="ddp"), "--decoupled.role needs --algorithm diloco"),
-    (dict(mesh={"data": 2}), "--decoupled.role runs one device per island"),
+    (dict(mesh={"replicas_per_device": 2}), "--mesh.replicas-per-device must be 0 or 1 with --decoupled.role"),
+    (dict(dist={"num_processes": 2}), "--dist.num-processes must be unset or 1 with --decoupled.role"),
     (dict(diloco={"overlap_steps": 1, "sync_period": 4}), "--diloco.overlap-steps must be 0 with --decoupled.role"),
     (dict(decoupled={"island": 2}), r"--decoupled.island must be in \[0, 2\)"),
     (dict(decoupled={"min_quorum": 3}), r"--decoupled.min-quorum must be in \[1, 2\]"),
@@ -345,7 +347,9 @@ def test_bad_decoupled_flags_are_refused_in_one_line(make_config, overrides, mat
     import dataclasses
 
     decoupled = dataclasses.replace(DecoupledConfig(role="island"), **overrides.pop("decoupled", {}))
+    dist = overrides.pop("dist", {})
     config = dataclasses.replace(make_config(**overrides), decoupled=decoupled)
+    config = dataclasses.replace(config, dist=dataclasses.replace(config.dist, **dist))
     with pytest.raises(ConfigError, match=match):
         validate(config)
 
@@ -382,7 +386,7 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
     flags = ["--run-dir", str(run), "--data.source", "synthetic", "--model.num-layers", "2", "--model.dim", "32",
              "--model.num-heads", "2", "--train.batch-size", "4", "--train.seq-len", "16", "--train.steps", str(steps),
              "--train.eval-every", "100", "--diloco.sync-period", "10", "--diloco.num-fragments", "2",
-             "--diloco.quantize", "int4", "--diloco.error-feedback"]
+             "--diloco.quantize", "int4", "--diloco.error-feedback", "--mesh.fsdp", "2"]  # islands of 2 devices
     env = dict(os.environ, EQX_DILOCO_SLOW_ISLANDS="0:0.02,1:0.02")  # 20 ms more per step: killed mid-run
     proc = subprocess.Popen([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
                              "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--", *flags], env=env,
@@ -408,6 +412,7 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
         assert max(r["step"] for r in records if "loss" in r) == steps
     joins = [r for r in read_jsonl(run / "island-1" / "metrics.jsonl") if r.get("joined")]
     assert len(joins) == 2 and joins[1]["step"] > 0  # it rejoined where its newest sync left it
+    assert {r["devices"] for r in joins} == {2}
     assert json.loads((run / "syncer" / "address.json").read_text())["restored"] is not None
     summary = json.loads((run / "syncer" / "summary.json").read_text())
     computed = 4 * 16 * sum(1 for k in range(2) for r in read_jsonl(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
@@ -543,3 +548,42 @@ def test_the_syncer_and_a_joined_island_compile_their_programs_before_the_first_
         jax.monitoring.unregister_event_duration_listener(listen)
         client.close()
     assert island.versions == [1] and lowered == [], f"{len(lowered)} programs were lowered at the first sync"
+
+
+def test_a_sharded_island_steps_like_a_one_device_island(make_config, tmp_path):
+    """`--mesh.fsdp 2 --mesh.tensor 2`: the island's parameters are laid out by the trainer's rules over its
+    4 devices (and kept there after a merge installs host values), and its steps compute what one
+    device computes."""
+    from eqx_diloco.lm.island import initial_model, island_placement
+
+    config = make_config(mesh={"fsdp": 2, "tensor": 2}, train={"batch_size": 4})
+    model = initial_model(config)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    shardings, batch_sharding = island_placement(config, model)
+    assert batch_sharding.mesh.size == 4
+    assert shardings.blocks.attn.q.spec == PartitionSpec(None, "fsdp", "tensor")
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (3, 4, 17), 0, config.model.vocab_size))
+    losses = {}
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix float and int32 counts
+        _train_both(params, static, shardings, batch_sharding, tokens, config, model, losses)
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    with pytest.raises(ConfigError, match="an island of --mesh.data x --mesh.fsdp x --mesh.tensor = 64 devices"):
+        island_placement(make_config(mesh={"fsdp": 64}), model)
+
+
+def _train_both(params, static, shardings, batch_sharding, tokens, config, model, losses):
+    from eqx_diloco.lm.island import _make_step
+    from eqx_diloco.lm.optimizers import inner_optimizer
+
+    for sharded in (False, True):
+        p = jax.tree.map(np.array, params)  # fresh buffers: the step donates them
+        p = jax.device_put(p, shardings) if sharded else jax.tree.map(jax.numpy.asarray, p)
+        optimizer = inner_optimizer(config.train, model.weight_decay_mask(), config.optim)
+        step, opt_state, out = _make_step(static, optimizer, 0.0), optimizer.init(p), []
+        for t in range(3):
+            batch = jax.device_put(tokens[t], batch_sharding) if sharded else tokens[t]
+            p, opt_state, loss = step(p, opt_state, batch, jax.random.key(t))
+            out.append(float(loss))
+        losses[sharded] = out
+        if sharded:
+            assert p.blocks.attn.q.sharding.spec == PartitionSpec(None, "fsdp", "tensor")

@@ -54,9 +54,10 @@ def validate_decoupled(config: "Config") -> None:
     dc, d = config.decoupled, config.diloco
     _require(not config.elastic.enabled, "--decoupled.role needs --elastic.no-enabled: decoupled islands are elastic "
              "by themselves (a lost island is left out of merges)")
-    _require(config.mesh.data * config.mesh.fsdp * config.mesh.tensor == 1,
-             "--decoupled.role runs one device per island: --mesh.data, --mesh.fsdp and --mesh.tensor must be 1 "
-             f"(got {config.mesh.data}, {config.mesh.fsdp}, {config.mesh.tensor})")
+    _require(config.dist.num_processes in (None, 1), "--dist.num-processes must be unset or 1 with --decoupled.role "
+             f"(got {config.dist.num_processes}): an island is one process with the devices of its --mesh.* flags")
+    _require(config.mesh.replicas_per_device <= 1, "--mesh.replicas-per-device must be 0 or 1 with --decoupled.role "
+             f"(got {config.mesh.replicas_per_device}): an island is one replica on its own devices")
     for flag, value in [("--diloco.overlap-steps", d.overlap_steps), ("--diloco.router-sync-period", d.router_sync_period)]:
         _require(value == 0, f"{flag} must be 0 with --decoupled.role (got {value}): an island waits for its merge "
                  "(at most the grace window) and syncs every parameter with its fragment")

@@ -15,16 +15,20 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import Transformer
 
 from .._island import Island, adaptive_sync_period
+from .._mesh import INNER
 from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
-from ._core import lm_objective, new_model
+from ._core import lm_objective, new_model, transformer_specs
 from ._devices import slowdown_s
 from .config import Config, ConfigError, error_feedback_argument
 from .data import TokenBatches, load_tokens
@@ -50,6 +54,24 @@ def initial_model(config: Config) -> Transformer:
     """The model every island and the syncer start from (the trainer's initialisation)."""
     model_key, _ = jax.random.split(jax.random.key(config.train.seed))
     return new_model(config.model, model_key)
+
+
+def island_placement(config: Config, model: Transformer) -> tuple[Any, NamedSharding]:
+    """Where an island's arrays live: its `--mesh.data x --mesh.fsdp x --mesh.tensor` local devices as one
+    (data, fsdp, tensor) mesh, the parameters laid out by the trainer's rules for a sharded island
+    (`transformer_specs`) and each batch split over data x fsdp. Returns (parameter shardings, a tree
+    like the model's arrays; the batch's sharding)."""
+    m = config.mesh
+    count = m.data * m.fsdp * m.tensor
+    devices = jax.local_devices()
+    if len(devices) < count:
+        raise ConfigError(f"an island of --mesh.data x --mesh.fsdp x --mesh.tensor = {count} devices needs them in "
+                          f"its process, which has {len(devices)} ({devices[0].platform})")
+    mesh = Mesh(np.asarray(devices[:count]).reshape(m.data, m.fsdp, m.tensor), INNER)
+    specs = transformer_specs(m.fsdp, m.tensor)(model)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return shardings, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
 
 def _make_step(static, optimizer: optax.GradientTransformation, dropout: float):
@@ -90,6 +112,9 @@ def run_island(config: Config) -> int:
                            islands=(k,), num_islands=d.num_replicas)
     model = initial_model(config)
     params, static = eqx.partition(model, eqx.is_inexact_array)
+    shardings, batch_sharding = island_placement(config, model)
+    # What the syncer sends back arrives as host arrays: every merge is put back on the island's layout.
+    place = functools.partial(jax.device_put, device=shardings)
     optimizer = inner_optimizer(t, model.weight_decay_mask(), config.optim)
     client = SyncerClient(dc.syncer, token=shared_token(config), retry_s=dc.retry_s)
     island = Island(params, layers=lambda m: m.blocks, num_fragments=num_fragments,
@@ -99,8 +124,9 @@ def run_island(config: Config) -> int:
     extra_s = slowdown_s((k,))  # benchmark only
     tokens_per_step = t.batch_size * t.seq_len
     try:
-        params = island.join(params)
-        log.write({"step": start, "time": time.time() - t0, "joined": True, "versions": island.versions})
+        params = place(island.join(params))
+        log.write({"step": start, "time": time.time() - t0, "joined": True, "versions": island.versions,
+                   "devices": batch_sharding.mesh.size})
         # The schedule goes on from `start`; every leaf its own buffer (the step donates them).
         opt_state = optax.tree_utils.tree_set(optimizer.init(params), count=jax.numpy.asarray(start, jax.numpy.int32))
         opt_state = jax.tree.map(jax.numpy.copy, opt_state)
@@ -111,7 +137,7 @@ def run_island(config: Config) -> int:
         key = jax.random.fold_in(jax.random.key(t.seed), k)
         for step in range(start, t.steps):
             began = time.perf_counter()
-            batch = jax.numpy.asarray(batches.batch(step)[0])
+            batch = jax.device_put(batches.batch(step)[0], batch_sharding)
             params, opt_state, loss = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
             loss = float(loss)
             if extra_s:
@@ -127,17 +153,17 @@ def run_island(config: Config) -> int:
             last = step + 1 == t.steps
             lost = island.lost_rounds
             if not dc.wait:
-                params = island.collect(params)  # merges that came back since the last step
+                params = place(island.collect(params))  # merges that came back since the last step
             for f in range(num_fragments):
                 if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
                     waited = time.perf_counter()
                     base_version = island.versions[f]
                     if dc.wait:
-                        params = island.sync(params, f, tokens=steps_done[f] * tokens_per_step,
-                                             steps_per_s=1.0 / seconds_per_step)
+                        params = place(island.sync(params, f, tokens=steps_done[f] * tokens_per_step,
+                                                   steps_per_s=1.0 / seconds_per_step))
                     else:
                         if island.in_flight(f):  # its previous merge must land before the next push
-                            params = island.collect(params, wait=True)
+                            params = place(island.collect(params, wait=True))
                         base_version = island.versions[f]
                         island.push(params, f, tokens=steps_done[f] * tokens_per_step,
                                     steps_per_s=1.0 / seconds_per_step)

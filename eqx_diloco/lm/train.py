@@ -167,8 +167,11 @@ def _decoupled(config: Config, process: _Process) -> int:
     """A syncer or one island of a decoupled run: a program of its own, with no `jax.distributed` world
     and no run-folder lock (the syncer and the islands share the run folder, each in its own files)."""
     check_writable(config, checkpoints=False)
+    from .._mesh import ensure_cpu_devices
     from ._cache import enable_compilation_cache
 
+    if config.decoupled.role == "island":  # before JAX starts: an island's own devices (simulated on CPU)
+        ensure_cpu_devices(config.mesh.data * config.mesh.fsdp * config.mesh.tensor)
     enable_compilation_cache(config)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     if config.decoupled.role == "syncer":
