@@ -123,13 +123,15 @@ def _plot(result: dict, path: pathlib.Path) -> None:
                 ys.append(100 * row["gap"]["mean"])
                 es.append(100 * row["gap"]["sd"])
                 names.append(name)
-        # Points above the axis (a diverged seed) sit on its top edge, with their mean written out.
-        shown = [min(y, Y_MAX) for y in ys]
+        # Points outside the axis (a diverged seed above, Muon's gain below) sit on its edge, with their
+        # mean written out.
+        shown = [min(max(y, Y_MIN), Y_MAX) for y in ys]
+        es = [e if at == y else 0.0 for e, y, at in zip(es, ys, shown)]  # no bar for a point off the axis
         ax.errorbar(xs, shown, yerr=[[min(e, y - Y_MIN) for e, y in zip(es, shown)], es], fmt="o", capsize=3,
                     label=f"R = {R}")
-        for x, y, name in zip(xs, ys, names):
-            label = name if y <= Y_MAX else f"{name} ({y:+.0f}%)"
-            ax.annotate(label, (x, min(y, Y_MAX)), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        for x, y, at, name in zip(xs, ys, shown, names):
+            label = name if at == y else f"{name} ({y:+.0f}%)"
+            ax.annotate(label, (x, at), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_ylim(Y_MIN, Y_MAX + 3)
     ax.axhline(0, color="gray", lw=0.8)
     ax.axhline(1, color="gray", lw=0.8, ls="--")
