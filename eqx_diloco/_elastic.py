@@ -302,7 +302,7 @@ def _fresh_rows(diloco, shared: dict[str, list], key: jax.Array, step: int) -> d
     params = [np.asarray(x).astype(p.dtype) for x, p in zip(shared["global_params"], _leaves(abstract.params))]
     # On the host's CPU device: a whole replica may not fit one accelerator (a sharded island), and
     # only this process runs it (a program over the run's mesh would need every process).
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         params_tree = jax.tree.unflatten(jax.tree.structure(abstract.global_params), [jnp.asarray(p) for p in params])
         fresh = schedules_at(jax.jit(diloco.inner_optimizer.init)(params_tree), step)
         opt_state = [np.asarray(x) for x in _leaves(fresh)]
