@@ -550,6 +550,7 @@ def test_the_syncer_and_a_joined_island_compile_their_programs_before_the_first_
     assert island.versions == [1] and lowered == [], f"{len(lowered)} programs were lowered at the first sync"
 
 
+@pytest.mark.slow  # compiles a 4-device and a 1-device step
 def test_a_sharded_island_steps_like_a_one_device_island(make_config, tmp_path):
     """`--mesh.fsdp 2 --mesh.tensor 2`: the island's parameters are laid out by the trainer's rules over its
     4 devices (and kept there after a merge installs host values), and its steps compute what one

@@ -87,8 +87,9 @@ def test_syncs_on_communication_devices_of_a_sharded_island(mode):
     with error feedback like the same island syncing on its own devices."""
     overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, alpha=0.5) if mode == "none" else \
         dict(outer_overlap="delayed")
+    steps = 3 * overrides.get("sync_period", 4)  # three rounds
     replicated = make_core(**overrides)
-    state, losses = train(replicated, 18)
+    state, losses = train(replicated, steps)
     want = finished_model(replicated, state)
     sharded = make_core(fsdp=2, comm_device="on", **overrides)
     assert dict(sharded.comm_mesh.shape) == {"diloco": 2, "data": 1, "fsdp": 2, "tensor": 1}
@@ -104,7 +105,7 @@ def test_syncs_on_communication_devices_of_a_sharded_island(mode):
         return out
 
     setattr(programs, "launch" if mode == "none" else "sync", recording)
-    state, got_losses = train(sharded, 18, state)
+    state, got_losses = train(sharded, steps, state)
     comm_devices = set(sharded.comm_mesh.devices.flat)
     assert placed and all(set(s.device_set) == comm_devices for s in placed)
     assert any("fsdp" in tuple(s.spec) for s in placed)
@@ -115,9 +116,9 @@ def test_syncs_on_communication_devices_of_a_sharded_island(mode):
         return  # the quantized exchange on communication devices is the same program as tau = 1's
     quantized = dict(overrides, quantize="int4", error_feedback=True)
     on_own = make_core(fsdp=2, comm_device="off", **quantized)
-    own_state, own_losses = train(on_own, 18)
+    own_state, own_losses = train(on_own, 12)  # two rounds
     on_comm = make_core(fsdp=2, comm_device="on", **quantized)
-    comm_state, comm_losses = train(on_comm, 18)
+    comm_state, comm_losses = train(on_comm, 12)
     assert relative(comm_losses, own_losses) <= 1e-6
     for got, expected in zip(finished_model(on_comm, comm_state), finished_model(on_own, own_state)):
         assert relative(got, expected) <= 1e-6
