@@ -74,6 +74,7 @@ def test_trainer_matches_the_paper_equations(mode, num_fragments):
     check(state, drain=True)
 
 
+@pytest.mark.slow  # the fast tier checks eager's equations against the paper (one fragment)
 def test_eager_with_one_replica_is_blocking_diloco():
     model = StackedMLP(key=jax.random.key(1))
     batches = lambda s: make_batch(s, 1)  # noqa: E731

@@ -103,6 +103,7 @@ def test_auto_resolves_to_float32_and_xla_on_cpu_and_cudnn_is_refused_there():
         with_(config, attention="cudnn").attention_impl()
 
 
+@pytest.mark.slow  # the fast tier keeps the core's float32 outer state for bfloat16 parameters
 @standard_promotion
 def test_bfloat16_keeps_float32_parameters_logits_and_loss_and_stays_close_to_float32():
     model = Transformer(with_(SMALL, dtype="bfloat16"), key=jax.random.key(0))

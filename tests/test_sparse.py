@@ -89,7 +89,8 @@ def test_sparse_two_phase_resparsifies_and_its_errors_telescope(per_device):
     np.testing.assert_array_equal(total, reference)  # replicas sharing devices change nothing
 
 
-@pytest.mark.parametrize("C,k", [(8, 1), (8, 8), (16, 15), (256, 7), (1000, 3), (65536, 1311)])
+@pytest.mark.parametrize("C,k", [(8, 1), (8, 8), pytest.param(16, 15, marks=pytest.mark.slow),
+                                 pytest.param(256, 7, marks=pytest.mark.slow), (1000, 3), (65536, 1311)])
 def test_elias_fano_positions_round_trip_in_about_log2_c_over_k_plus_2_bits(C, k):
     rng = np.random.default_rng(C + k)
     positions = np.sort(np.stack([rng.choice(C, k, replace=False) for _ in range(4)]), axis=1).astype(np.int32)
@@ -151,7 +152,7 @@ def test_resume_with_sparse_residuals_in_flight_is_bit_exact(tmp_path):
 @pytest.mark.parametrize("overrides", [pytest.param(dict(outer_overlap="eager"), marks=pytest.mark.slow),
                                        pytest.param(dict(num_fragments=3, overlap_steps=1), marks=pytest.mark.slow),
                                        pytest.param(dict(num_replicas=4, exchange="two_phase"), marks=pytest.mark.slow),
-                                       dict(num_replicas=4, outer_overlap="eager")],
+                                       pytest.param(dict(num_replicas=4, outer_overlap="eager"), marks=pytest.mark.slow)],
                          ids=["eager", "streaming", "r4", "eager-r4-two-phase"])
 def test_sparse_syncs_train_with_every_overlap(overrides):
     diloco = _core(**overrides)
@@ -192,6 +193,7 @@ def test_cli_names_the_topk_flags():
     validate(Config(diloco=DiLoCoConfig(topk=0.03, error_feedback=True, quantize="int2")))
 
 
+@pytest.mark.slow  # trains twice; test_benchmarks runs Muon inside the trainer
 def test_muon_inside_is_any_optax_optimizer():
     """The core takes any optax optimizer: Muon on the stacked (layer, out, in) matrices, AdamW
     on the rest (MuLoCo's recipe), with a 2-bit top-k sync."""
@@ -212,6 +214,7 @@ def test_muon_inside_is_any_optax_optimizer():
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
 
 
+@pytest.mark.slow  # compiles two exchanges; the fast tier keeps the numpy references of both
 def test_sent_values_follow_the_exchange_chunks():
     """What eager's mailbox records as a replica's own share is what its exchange sends: under
     two-phase a top-k per chunk of ceil(n / R) values, under gather one of the whole vector."""
