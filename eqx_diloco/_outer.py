@@ -180,6 +180,7 @@ def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
     """
     src_data = src.shape["data"]
     position = {d: index for index, d in np.ndenumerate(src.devices)}
+    dst_position = {d: index for index, d in np.ndenumerate(dst.devices)}
 
     def move(x):
         spec = x.sharding.spec
@@ -189,7 +190,7 @@ def move_to_mesh(tree: PyTree, src: Mesh, dst: Mesh) -> PyTree:
         sharding = NamedSharding(dst, spec)
         pieces = []
         for device in sharding.addressable_devices:
-            r, d, f, t = (int(i) for i in np.argwhere(dst.devices == device)[0])
+            r, d, f, t = dst_position[device]
             pieces.append(jax.device_put(held[(r, d % src_data, f, t)], device))
         return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
 

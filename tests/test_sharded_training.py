@@ -96,7 +96,8 @@ def test_syncs_on_communication_devices_of_a_sharded_island(mode):
     state = sharded.init(Transformer(CONFIG, key=jax.random.key(0)))
     # Where every launched exchange's results live: the communication devices, one shard on each.
     placed, programs = [], sharded.outer if mode == "none" else sharded.overlapped
-    launch = programs.launch if mode == "none" else programs.sync
+    name = "launch" if mode == "none" else "sync"  # what dispatches an exchange in each mode
+    launch = getattr(programs, name)
 
     def recording(*args):
         out = launch(*args)
@@ -104,7 +105,7 @@ def test_syncs_on_communication_devices_of_a_sharded_island(mode):
         placed.extend(x.sharding for x in jax.tree.leaves(in_flight.outputs[0]))
         return out
 
-    setattr(programs, "launch" if mode == "none" else "sync", recording)
+    setattr(programs, name, recording)
     state, got_losses = train(sharded, steps, state)
     comm_devices = set(sharded.comm_mesh.devices.flat)
     assert placed and all(set(s.device_set) == comm_devices for s in placed)

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ._layout import process_layout, wants_comm_device
+from ._layout import process_layout
 from ._processes import GENERATION_ENV, LINK_LIMIT_ENV
 from .config import token_file_vocab
 
@@ -134,7 +134,8 @@ def runtime_lines(config) -> list[str]:
     d = config.diloco
     devices = jax.devices()
     platform = devices[0].platform if devices else "none"
-    comm = _comm_devices(config) if wants_comm_device(config) else 0
+    mesh, comm_mesh = _meshes(config)
+    comm = 0 if comm_mesh is None else comm_mesh.devices.size
     extra = f" ({comm} of them communication devices for overlapped syncs)" if comm else ""
     num_processes = jax.process_count()
     procs, islands = "", []
@@ -148,34 +149,27 @@ def runtime_lines(config) -> list[str]:
     if cache_dir and num_processes > 1 and platform == "cpu" and not every_process_writes():
         # JAX writes entries from process 0 only, and CPU cache keys differ per process (see _cache).
         cache += " (read back by process 0 only: on CPU the other processes compile every run)"
-    return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config),
+    return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config, mesh),
             *_compute_lines(config), f"  compilation  {cache}"]
 
 
-def _comm_devices(config) -> int:
-    """How many communication devices the run's meshes have (0 where it has none or they do not fit)."""
+def _meshes(config) -> tuple:
+    """The run's (compute mesh, communication mesh or None); (None, None) where the flags do not fit
+    the devices (the trainer's own set-up reports it)."""
     from .._errors import ConfigError
     from ._devices import make_meshes
 
     try:
-        _, comm_mesh = make_meshes(config)
+        return make_meshes(config)
     except ConfigError:
-        return 0  # the trainer's own set-up reports it
-    return 0 if comm_mesh is None else comm_mesh.devices.size
+        return None, None
 
 
-def _packing_lines(config) -> list[str]:
-    """A line when `--mesh.replicas-per-device 0` packs several replicas onto each device (too few
-    devices for one each)."""
-    from .._errors import ConfigError
-    from ._devices import make_meshes
-
-    if config.mesh.replicas_per_device:
-        return []  # the mesh line says it
-    try:
-        mesh, _ = make_meshes(config)
-    except ConfigError:
-        return []  # the trainer's own set-up reports it
+def _packing_lines(config, mesh) -> list[str]:
+    """A line when `--mesh.replicas-per-device 0` packs several replicas onto each device of `mesh`
+    (too few devices for one each)."""
+    if config.mesh.replicas_per_device or mesh is None:
+        return []  # the mesh line says it, or the trainer reports what does not fit
     K = config.diloco.num_replicas // mesh.shape["diloco"]
     line = (f"  packing      {K} replicas per device (vmapped), too few devices for one each "
             "(--mesh.replicas-per-device 0)")
