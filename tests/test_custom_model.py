@@ -150,6 +150,7 @@ def test_a_model_of_another_shape_is_refused():
         diloco.init(eqx.nn.MLP(IN_DIM, "scalar", 8, 2, key=jax.random.key(0)))
 
 
+@pytest.mark.slow  # two runs and an Orbax round trip (about 4 s)
 def test_checkpoint_through_the_core_resumes_bit_exactly_with_a_sync_in_flight(tmp_path):
     make = lambda: _core(num_fragments=3, overlap_steps=1, alpha=0.5, quantize="int8", error_feedback=True)  # noqa: E731
     model = StackedMLP(key=jax.random.key(0))

@@ -117,6 +117,7 @@ def test_a_process_other_than_0_writes_its_programs_only_where_every_process_may
     assert bool(written) == every_process
 
 
+@pytest.mark.slow  # a whole CLI run in-process (about 4 s)
 def test_cli_prints_the_banner_first_and_writes_its_phases(tmp_path, capsys):
     assert train_main([*TINY, "--train.steps", "2", "--checkpoint.every", "0", "--run-dir", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out.splitlines()
