@@ -134,6 +134,11 @@ class Island:
     def in_flight(self, fragment: int) -> bool:
         return fragment in self._pending
 
+    def has_landed(self, *, wait: bool = False) -> bool:
+        """Whether `collect(model, wait=wait)` would install something: a merge in flight has come back
+        (with `wait`: any merge is in flight)."""
+        return any(wait or call.done() for call, _ in self._pending.values())
+
     def collect(self, model: PyTree, *, wait: bool = False) -> PyTree:
         """Install every merged fragment that has come back (with `wait`, wait for all in flight).
 

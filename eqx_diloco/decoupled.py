@@ -23,6 +23,8 @@ out after one grace window. The roles:
         if fragment is not None:
             model = island.sync(model, fragment, tokens=tokens_per_step * H)
 
+An island of several processes (one JAX world of its own, its parameters sharded over them) wraps
+the leader's `Island` in an `IslandGroup` (see `eqx_diloco._island_group`), which every process calls.
 `SyncerCheckpoints` saves and restores the syncer with Orbax; `python -m eqx_diloco.launch --decoupled`
 runs these roles for the bundled language model.
 """
@@ -34,6 +36,7 @@ import equinox as eqx
 
 from ._fragments import Fragmenter, Pattern
 from ._island import Island, adaptive_sync_period, fragment_vectors, install_fragment
+from ._island_group import IslandGroup
 from ._rpc import TOKEN_ENV, SyncerClient, SyncerService, SyncerUnreachable, SyncRefused
 from ._syncer import MergeRecord, Refused, Syncer, merge_outer_gradient
 from ._syncer_checkpoint import SyncerCheckpoints
@@ -51,6 +54,7 @@ def make_syncer(model: Any, *, layers: Callable[[Any], Any] | None, num_fragment
 __all__ = [
     "TOKEN_ENV",
     "Island",
+    "IslandGroup",
     "MergeRecord",
     "Refused",
     "SyncRefused",

@@ -334,7 +334,10 @@ def test_the_island_refuses_a_syncer_of_another_model(service):
 @pytest.mark.parametrize("overrides, match", [
     (dict(algorithm="ddp"), "--decoupled.role needs --algorithm diloco"),
     (dict(mesh={"replicas_per_device": 2}), "--mesh.replicas-per-device must be 0 or 1 with --decoupled.role"),
-    (dict(dist={"num_processes": 2}), "--dist.num-processes must be unset or 1 with --decoupled.role"),
+    (dict(dist={"num_processes": 2}), "--mesh.data x --mesh.fsdp x --mesh.tensor = 1 must be a multiple of "
+                                      "--dist.num-processes 2"),
+    (dict(dist={"num_processes": 2}, mesh={"fsdp": 2}, decoupled={"role": "syncer"}),
+     "--dist.num-processes must be unset or 1 for the syncer"),
     (dict(diloco={"overlap_steps": 1, "sync_period": 4}), "--diloco.overlap-steps must be 0 with --decoupled.role"),
     (dict(decoupled={"island": 2}), r"--decoupled.island must be in \[0, 2\)"),
     (dict(decoupled={"min_quorum": 3}), r"--decoupled.min-quorum must be in \[1, 2\]"),
@@ -359,11 +362,19 @@ def test_bad_decoupled_flags_are_refused_in_one_line(make_config, overrides, mat
     (["--num-processes", "2", "--", "--elastic.enabled"], "--decoupled and --elastic.enabled exclude each other"),
     (["--num-processes", "2", "--", "--decoupled.island", "1"], "--decoupled.island is set by the launcher"),
     (["--num-processes", "2", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
+    (["--num-processes", "2", "--processes-per-island", "0"], "--processes-per-island must be >= 1"),
+    (["--num-processes", "2", "--", "--dist.num-processes", "2"], "--dist.num-processes is set by the launcher"),
 ])
 def test_bad_decoupled_launcher_flags_are_refused_in_one_line(capsys, argv, match):
     assert launch_main(["--decoupled", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1
+
+
+def test_processes_per_island_needs_decoupled_islands(capsys):
+    assert launch_main(["--num-processes", "2", "--processes-per-island", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --processes-per-island needs --decoupled (got 2)"
 
 
 def _wait_for(condition, timeout, what):
@@ -386,11 +397,12 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
     flags = ["--run-dir", str(run), "--data.source", "synthetic", "--model.num-layers", "2", "--model.dim", "32",
              "--model.num-heads", "2", "--train.batch-size", "4", "--train.seq-len", "16", "--train.steps", str(steps),
              "--train.eval-every", "100", "--diloco.sync-period", "10", "--diloco.num-fragments", "2",
-             "--diloco.quantize", "int4", "--diloco.error-feedback", "--mesh.fsdp", "2"]  # islands of 2 devices
+             "--diloco.quantize", "int4", "--diloco.error-feedback", "--mesh.fsdp", "2"]
     env = dict(os.environ, EQX_DILOCO_SLOW_ISLANDS="0:0.02,1:0.02")  # 20 ms more per step: killed mid-run
+    # Islands of 2 processes of one device each: killing island 1's leader takes the island down as a whole.
     proc = subprocess.Popen([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
-                             "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--", *flags], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--processes-per-island", "2", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"),
+                             "--", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def step_of(k):
             return max((r["step"] for r in read_jsonl(run / f"island-{k}" / "metrics.jsonl") if "loss" in r), default=0)
@@ -412,13 +424,43 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
         assert max(r["step"] for r in records if "loss" in r) == steps
     joins = [r for r in read_jsonl(run / "island-1" / "metrics.jsonl") if r.get("joined")]
     assert len(joins) == 2 and joins[1]["step"] > 0  # it rejoined where its newest sync left it
-    assert {r["devices"] for r in joins} == {2}
+    assert {(r["devices"], r["processes"]) for r in joins} == {(2, 2)}
+    assert (tmp_path / "logs" / "island-1-process-1.log").exists()
     assert json.loads((run / "syncer" / "address.json").read_text())["restored"] is not None
     summary = json.loads((run / "syncer" / "summary.json").read_text())
     computed = 4 * 16 * sum(1 for k in range(2) for r in read_jsonl(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
     assert 0.5 * computed < summary["tokens_merged"] < computed  # the kills lost some work, not most of it
     evals = [r["eval_loss"] for r in read_jsonl(run / "metrics.jsonl")]
     assert evals[-1] < 0.7 * evals[0]
+
+
+@pytest.mark.slow  # two decoupled runs through the launcher (about 40 s)
+def test_an_island_of_two_processes_trains_like_an_island_of_one(tmp_path):
+    """One island (so every merge is deterministic) of fsdp 2 x tensor 2 over 2 processes, against the same
+    island in one process: the same theta_g after 12 steps of 2 fragments, with int4 and error feedback."""
+    import json
+    import subprocess
+    import sys
+
+    def run(name, processes):
+        run_dir = tmp_path / name
+        flags = ["--run-dir", str(run_dir), "--data.source", "synthetic", "--model.num-layers", "2",
+                 "--model.dim", "32", "--model.num-heads", "2", "--train.batch-size", "4", "--train.seq-len", "16",
+                 "--train.steps", "12", "--train.eval-every", "12", "--diloco.sync-period", "6",
+                 "--diloco.num-fragments", "2", "--diloco.quantize", "int4", "--diloco.error-feedback",
+                 "--mesh.fsdp", "2", "--mesh.tensor", "2"]
+        proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "1",
+                               "--processes-per-island", str(processes), "--log-dir", str(tmp_path / f"{name}-logs"),
+                               "--", *flags], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (join,) = [r for r in read_jsonl(run_dir / "island-0" / "metrics.jsonl") if r.get("joined")]
+        assert (join["devices"], join["processes"]) == (4, processes)
+        return read_jsonl(run_dir / "metrics.jsonl")[-1], json.loads((run_dir / "syncer" / "summary.json").read_text())
+
+    (one, one_summary), (two, two_summary) = run("one", 1), run("two", 2)
+    assert one["versions"] == two["versions"] == [3, 2]  # fragment 0 at steps 3, 9 and the final sync
+    assert one_summary["tokens_merged"] == two_summary["tokens_merged"] == 12 * 4 * 16
+    np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
 
 
 def test_a_custom_model_trains_as_decoupled_islands_through_the_public_roles(service):

@@ -54,8 +54,12 @@ def validate_decoupled(config: "Config") -> None:
     dc, d = config.decoupled, config.diloco
     _require(not config.elastic.enabled, "--decoupled.role needs --elastic.no-enabled: decoupled islands are elastic "
              "by themselves (a lost island is left out of merges)")
-    _require(config.dist.num_processes in (None, 1), "--dist.num-processes must be unset or 1 with --decoupled.role "
-             f"(got {config.dist.num_processes}): an island is one process with the devices of its --mesh.* flags")
+    processes = config.dist.num_processes or 1
+    _require(processes == 1 or dc.role == "island", f"--dist.num-processes must be unset or 1 for the syncer (got "
+             f"{processes}): it is one process")
+    devices = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    _require(devices % processes == 0, f"--mesh.data x --mesh.fsdp x --mesh.tensor = {devices} must be a multiple of "
+             f"--dist.num-processes {processes}: every process of an island holds as many of its devices")
     _require(config.mesh.replicas_per_device <= 1, "--mesh.replicas-per-device must be 0 or 1 with --decoupled.role "
              f"(got {config.mesh.replicas_per_device}): an island is one replica on its own devices")
     for flag, value in [("--diloco.overlap-steps", d.overlap_steps), ("--diloco.router-sync-period", d.router_sync_period)]:

@@ -18,7 +18,7 @@ from models._config import cudnn_backend
 
 from .._errors import ConfigError
 from .._mesh import build_meshes, ensure_cpu_devices
-from ._layout import devices_needed, process_layout
+from ._layout import ProcessLayout, devices_needed, process_layout
 from .config import check_backend
 from .launch import record_failure
 
@@ -30,6 +30,12 @@ def setup_devices(config: "Config") -> None:
     """Set the local device count and, for several processes, join the distributed runtime."""
     layout = process_layout(config)
     ensure_cpu_devices(devices_needed(config))
+    join_processes(config, layout)
+
+
+def join_processes(config: "Config", layout: "ProcessLayout") -> None:
+    """Join the JAX world of `layout`'s processes (a run's, or a multi-process decoupled island's own);
+    one process joins nothing."""
     if layout.num_processes > 1:
         if layout.coordinator is None:
             raise ConfigError("--dist.coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required with several "

@@ -346,11 +346,8 @@ def validate(config: Config) -> None:
 
     nproc = config.dist.num_processes
     if nproc is not None:
+        # How replicas and processes must divide is `_layout.devices_needed`'s rule (it also sees JAX_* variables).
         _require(nproc >= 1, f"--dist.num-processes must be >= 1 (got {nproc})")
-        _require(
-            d.num_replicas % nproc == 0,
-            f"--diloco.num-replicas must be divisible by --dist.num-processes (got {d.num_replicas} and {nproc})",
-        )
         pid = config.dist.process_id
         _require(pid is None or 0 <= pid < nproc, f"--dist.process-id must be in [0, {nproc}) (got {pid})")
 

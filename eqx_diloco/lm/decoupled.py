@@ -2,7 +2,9 @@
 
     python -m eqx_diloco.launch --decoupled --num-processes 4 --max-restarts 2 -- --diloco.quantize int4
 
-Every process runs `python -m eqx_diloco.train <flags>` with `--decoupled.role syncer` or
+With `--processes-per-island S` each island is S processes, one JAX world of their own (a coordinator of
+its own), its devices those of its `--mesh.*` flags split over them; one that dies takes its island down
+and the island is restarted as a whole. Every process runs `python -m eqx_diloco.train <flags>` with `--decoupled.role syncer` or
 `--decoupled.role island --decoupled.island K`, the syncer's address and `--diloco.num-replicas N`.
 They share no JAX runtime: an island that dies is restarted (up to `--max-restarts` times, after
 `--rejoin-after-s`) while the others train on, and joins again from the current theta_g; a syncer that
@@ -40,28 +42,59 @@ def _run_dir(flags: list[str]) -> Path:
 
 
 class _Role:
-    """One supervised process: the syncer or an island, restarted with the same flags."""
+    """One supervised role: the syncer or an island (of `processes` processes), restarted with the same flags.
 
-    def __init__(self, name: str, flags: list[str], log: Path, env: dict[str, str], restarts: int):
+    The processes of a multi-process island form a JAX world of their own, with a coordinator on a fresh
+    port at each start; when one of them exits, the others are stopped with it (they would wait for it in
+    their next collective) and the island counts as exited with the first code seen."""
+
+    def __init__(self, name: str, flags: list[str], log: Path, env: dict[str, str], restarts: int,
+                 processes: int = 1):
         self.name, self.flags, self.log, self.env, self.restarts_left = name, flags, log, env, restarts
-        self.proc: subprocess.Popen | None = None
+        self.processes = processes
+        self.procs: list[subprocess.Popen] = []
         self.restarted = 0
         self.finished = False
         self.restart_at: float | None = None
 
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The role's first process (the island's leader), while it runs."""
+        return self.procs[0] if self.procs else None
+
     def start(self, module: str) -> None:
-        # The syncer's output (its evaluations of theta_g) is this terminal's; errors go to the logs.
-        with self.log.open("a") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, *self.flags], env=self.env,
-                                         stdout=None if self.name == "syncer" else out,
-                                         stderr=out if self.name == "syncer" else subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_launcher())
+        world: list[str] = []
+        if self.processes > 1:
+            world = ["--dist.num-processes", str(self.processes),
+                     "--dist.coordinator-address", f"127.0.0.1:{free_port()}"]
+        self.procs = []
+        for p in range(self.processes):
+            flags = [*self.flags, *world, *(["--dist.process-id", str(p)] if world else [])]
+            log = self.log if p == 0 else self.log.with_name(f"{self.log.stem}-process-{p}.log")
+            # The syncer's output (its evaluations of theta_g) is this terminal's; errors go to the logs.
+            with log.open("a") as out:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", module, *flags], env=self.env,
+                    stdout=None if self.name == "syncer" else out,
+                    stderr=out if self.name == "syncer" else subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_die_with_launcher()))
+
+    def poll(self, grace_s: float) -> int | None:
+        """None while the role runs; else its exit code (0: every process finished), its processes gone."""
+        codes = [proc.poll() for proc in self.procs]
+        failed = [code for code in codes if code not in (None, 0)]
+        if not failed and any(code is None for code in codes):
+            return None
+        if failed:
+            stop_all([proc for proc, code in zip(self.procs, codes) if code is None], grace_s)
+        self.procs = []
+        return failed[0] if failed else 0
 
 
 def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir: Path, grace_s: float,
-                     max_restarts: int, rejoin_after_s: float) -> int:
-    """Start the syncer and `num_islands` islands, restart what dies, stop the syncer when the islands are
-    done. Returns 0 when every island finished its steps."""
+                     max_restarts: int, rejoin_after_s: float, processes_per_island: int = 1) -> int:
+    """Start the syncer and `num_islands` islands of `processes_per_island` processes each, restart what
+    dies, stop the syncer when the islands are done. Returns 0 when every island finished its steps."""
     log_dir.mkdir(parents=True, exist_ok=True)
     address = flag_value(flags, "--decoupled.syncer")
     if address is None:
@@ -74,9 +107,11 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
     env.setdefault(TOKEN_ENV, secrets.token_hex(16))
     syncer = _Role("syncer", [*flags, "--decoupled.role", "syncer"], log_dir / "syncer.log", env, max_restarts)
     islands = [_Role(f"island {k}", [*flags, "--decoupled.role", "island", "--decoupled.island", str(k)],
-                     log_dir / f"island-{k}.log", env, max_restarts) for k in range(num_islands)]
+                     log_dir / f"island-{k}.log", env, max_restarts, processes_per_island)
+               for k in range(num_islands)]
     failed: list[str] = []
-    print(f"launcher: syncer at {address}, {num_islands} decoupled islands; logs in {log_dir}", file=sys.stderr)
+    each = f" of {processes_per_island} processes" if processes_per_island > 1 else ""
+    print(f"launcher: syncer at {address}, {num_islands} decoupled islands{each}; logs in {log_dir}", file=sys.stderr)
     roles = [syncer, *islands]
     try:
         with LauncherSignals() as signals:
@@ -90,15 +125,14 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
                     return 128 + sig
                 now = time.monotonic()
                 for role in roles:
-                    if role.proc is None:
+                    if not role.procs:
                         if role.restart_at is not None and now >= role.restart_at:
                             role.restart_at = None
                             role.start(module)
                         continue
-                    code = role.proc.poll()
+                    code = role.poll(grace_s)
                     if code is None:
                         continue
-                    role.proc = None
                     if code == 0 and role is not syncer:
                         role.finished = True
                         continue
@@ -118,7 +152,7 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
                         return 1
                     else:
                         failed.append(f"{role.name} exited with {code} and has no restarts left: {last}")
-                if all(r.finished or (r.proc is None and r.restart_at is None) for r in islands):
+                if all(r.finished or (not r.procs and r.restart_at is None) for r in islands):
                     break
                 time.sleep(0.05)
             if syncer.proc is not None:
@@ -128,7 +162,7 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
                 except subprocess.TimeoutExpired:
                     failed.append(f"the syncer did not stop within --grace-s {grace_s:g}")
     finally:
-        stop_all([r.proc for r in roles if r.proc is not None], grace_s)
+        stop_all([proc for r in roles for proc in r.procs], grace_s)
         for line in failed:
             print(f"launcher: {line}", file=sys.stderr)
     summary = _run_dir(flags) / "syncer" / "summary.json"

@@ -1,6 +1,8 @@
 """One decoupled island (`--decoupled.role island`): a replica that trains on its own and syncs each
-fragment through the syncer when its own H is done. No `jax.distributed`: the island shares no runtime
-with the others, so a lost island stops nothing but itself.
+fragment through the syncer when its own H is done. The island shares no runtime with the others, so a
+lost island stops nothing but itself. It is one process, or several (`--dist.num-processes`, with a
+coordinator of the island's own): then its parameters are sharded over every process's devices and
+process 0 talks to the syncer (`_island_group`).
 
 The island writes `RUN_DIR/island-K/metrics.jsonl` (a line per step with `step`, `time`, `loss`, and
 a line per sync) and `RUN_DIR/island-K/progress.json` (the step of its newest sync). Restarted, it
@@ -26,9 +28,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models import Transformer
 
 from .._island import Island, adaptive_sync_period
+from .._island_group import IslandGroup
 from .._mesh import INNER
 from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
 from ._core import lm_objective, new_model, transformer_specs
+from ._core import place as place_batch
 from ._devices import slowdown_s
 from .config import Config, ConfigError, error_feedback_argument
 from .data import TokenBatches, load_tokens
@@ -57,16 +61,18 @@ def initial_model(config: Config) -> Transformer:
 
 
 def island_placement(config: Config, model: Transformer) -> tuple[Any, NamedSharding]:
-    """Where an island's arrays live: its `--mesh.data x --mesh.fsdp x --mesh.tensor` local devices as one
-    (data, fsdp, tensor) mesh, the parameters laid out by the trainer's rules for a sharded island
-    (`transformer_specs`) and each batch split over data x fsdp. Returns (parameter shardings, a tree
-    like the model's arrays; the batch's sharding)."""
+    """Where an island's arrays live: its `--mesh.data x --mesh.fsdp x --mesh.tensor` devices (those of its
+    own process, or of every process of a multi-process island) as one (data, fsdp, tensor) mesh, the
+    parameters laid out by the trainer's rules for a sharded island (`transformer_specs`) and each batch
+    split over data x fsdp. Returns (parameter shardings, a tree like the model's arrays; the batch's
+    sharding)."""
     m = config.mesh
     count = m.data * m.fsdp * m.tensor
-    devices = jax.local_devices()
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if len(devices) < count:
+        where = "its process" if jax.process_count() == 1 else f"its {jax.process_count()} processes"
         raise ConfigError(f"an island of --mesh.data x --mesh.fsdp x --mesh.tensor = {count} devices needs them in "
-                          f"its process, which has {len(devices)} ({devices[0].platform})")
+                          f"{where}, which have {len(devices)} ({devices[0].platform})")
     mesh = Mesh(np.asarray(devices[:count]).reshape(m.data, m.fsdp, m.tensor), INNER)
     specs = transformer_specs(m.fsdp, m.tensor)(model)
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
@@ -96,16 +102,17 @@ def _write_progress(path: Path, step: int) -> None:
 
 
 def run_island(config: Config) -> int:
-    """Train island `--decoupled.island` to `--train.steps`; 0 when it finished."""
+    """Train island `--decoupled.island` to `--train.steps`; 0 when it finished. In an island of several
+    processes every process calls it; process 0 (the leader) talks to the syncer and writes the files."""
     dc, d, t = config.decoupled, config.diloco, config.train
     k, num_fragments, period = dc.island, d.num_fragments, d.sync_period
     t0 = float(os.environ.get(RUN_T0_ENV, time.time()))
+    leader = jax.process_index() == 0
     folder = config.run_dir / f"island-{k}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "pid").write_text(str(os.getpid()))  # whoever supervises or tests the island can signal it
     progress = folder / "progress.json"
-    start = json.loads(progress.read_text())["step"] if progress.exists() else 0
-    log = MetricsLog(folder, append=True)
+    if leader:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "pid").write_text(str(os.getpid()))  # whoever supervises or tests the island can signal it
     tokens = load_tokens(config.data, config.model.vocab_size, t.seed)
     batches = TokenBatches(tokens, num_replicas=1, batch_size=t.batch_size, seq_len=t.seq_len,
                            eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split,
@@ -113,20 +120,27 @@ def run_island(config: Config) -> int:
     model = initial_model(config)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     shardings, batch_sharding = island_placement(config, model)
-    # What the syncer sends back arrives as host arrays: every merge is put back on the island's layout.
-    place = functools.partial(jax.device_put, device=shardings)
     optimizer = inner_optimizer(t, model.weight_decay_mask(), config.optim)
-    client = SyncerClient(dc.syncer, token=shared_token(config), retry_s=dc.retry_s)
-    island = Island(params, layers=lambda m: m.blocks, num_fragments=num_fragments,
-                    fragment_pattern=d.fragment_pattern, client=client, island=k, quantize=d.quantize,
-                    error_feedback=error_feedback_argument(d))
+    client = SyncerClient(dc.syncer, token=shared_token(config), retry_s=dc.retry_s) if leader else None
+    island = None if client is None else Island(
+        params, layers=lambda m: m.blocks, num_fragments=num_fragments, fragment_pattern=d.fragment_pattern,
+        client=client, island=k, quantize=d.quantize, error_feedback=error_feedback_argument(d))
+    group = IslandGroup(island, shardings, num_fragments=num_fragments, num_processes=jax.process_count())
     step_fn = _make_step(static, optimizer, config.model.dropout)
     extra_s = slowdown_s((k,))  # benchmark only
     tokens_per_step = t.batch_size * t.seq_len
+    log = MetricsLog(folder, append=True) if leader else None
+
+    def write(record: dict) -> None:
+        if log is not None:
+            log.write(record)
+
     try:
-        params = place(island.join(params))
-        log.write({"step": start, "time": time.time() - t0, "joined": True, "versions": island.versions,
-                   "devices": batch_sharding.mesh.size})
+        # Where the island's newest sync left it (the leader's file: every process goes on from there).
+        start = group.agree(json.loads(progress.read_text())["step"] if leader and progress.exists() else 0)
+        params = group.join(params)
+        write({"step": start, "time": time.time() - t0, "joined": True, "versions": group.versions,
+               "devices": batch_sharding.mesh.size, "processes": jax.process_count()})
         # The schedule goes on from `start`; every leaf its own buffer (the step donates them).
         opt_state = optax.tree_utils.tree_set(optimizer.init(params), count=jax.numpy.asarray(start, jax.numpy.int32))
         opt_state = jax.tree.map(jax.numpy.copy, opt_state)
@@ -137,51 +151,54 @@ def run_island(config: Config) -> int:
         key = jax.random.fold_in(jax.random.key(t.seed), k)
         for step in range(start, t.steps):
             began = time.perf_counter()
-            batch = jax.device_put(batches.batch(step)[0], batch_sharding)
+            batch = place_batch(batches.batch(step)[0], batch_sharding)
             params, opt_state, loss = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
             loss = float(loss)
             if extra_s:
                 time.sleep(extra_s)
             took = time.perf_counter() - began
             seconds_per_step = took if seconds_per_step is None else 0.9 * seconds_per_step + 0.1 * took
-            log.write({"step": step + 1, "time": time.time() - t0, "loss": loss, "tokens": tokens_per_step})
+            write({"step": step + 1, "time": time.time() - t0, "loss": loss, "tokens": tokens_per_step})
             since = [s + 1 for s in since]
             steps_done = [s + 1 for s in steps_done]
             h = period
-            if dc.adaptive_h:
-                h = adaptive_sync_period(period, 1.0 / seconds_per_step, island.fastest_steps_per_s)
+            if dc.adaptive_h:  # from the leader's speed: every process of the island syncs at the same steps
+                h = group.agree(adaptive_sync_period(period, 1.0 / seconds_per_step, group.fastest_steps_per_s))
             last = step + 1 == t.steps
-            lost = island.lost_rounds
+            lost = group.lost_rounds
             if not dc.wait:
-                params = place(island.collect(params))  # merges that came back since the last step
+                params = group.collect(params)  # merges that came back since the last step
             for f in range(num_fragments):
                 if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
                     waited = time.perf_counter()
-                    base_version = island.versions[f]
+                    base_version = group.versions[f]
                     if dc.wait:
-                        params = place(island.sync(params, f, tokens=steps_done[f] * tokens_per_step,
-                                                   steps_per_s=1.0 / seconds_per_step))
+                        params = group.sync(params, f, tokens=steps_done[f] * tokens_per_step,
+                                            steps_per_s=1.0 / seconds_per_step)
                     else:
-                        if island.in_flight(f):  # its previous merge must land before the next push
-                            params = place(island.collect(params, wait=True))
-                        base_version = island.versions[f]
-                        island.push(params, f, tokens=steps_done[f] * tokens_per_step,
-                                    steps_per_s=1.0 / seconds_per_step)
-                    log.write({"step": step + 1, "time": time.time() - t0, "sync": f, "base_version": base_version,
-                               "version": island.versions[f], "h": h, "wait_s": round(time.perf_counter() - waited, 4),
-                               "tokens_sent": steps_done[f] * tokens_per_step})
+                        if group.in_flight(f):  # its previous merge must land before the next push
+                            params = group.collect(params, wait=True)
+                        base_version = group.versions[f]
+                        group.push(params, f, tokens=steps_done[f] * tokens_per_step,
+                                   steps_per_s=1.0 / seconds_per_step)
+                    write({"step": step + 1, "time": time.time() - t0, "sync": f, "base_version": base_version,
+                           "version": group.versions[f], "h": h, "wait_s": round(time.perf_counter() - waited, 4),
+                           "tokens_sent": steps_done[f] * tokens_per_step})
                     since[f], steps_done[f] = 0, 0
-                    _write_progress(progress, step + 1)
-            if island.lost_rounds > lost:
-                log.write({"step": step + 1, "time": time.time() - t0, "lost_round": True, "joined": True,
-                           "versions": island.versions})
-        params = island.collect(params, wait=True)
-        island.leave()
+                    if leader:
+                        _write_progress(progress, step + 1)
+            if group.lost_rounds > lost:
+                write({"step": step + 1, "time": time.time() - t0, "lost_round": True, "joined": True,
+                       "versions": group.versions})
+        params = group.collect(params, wait=True)
+        group.leave()
     except SyncerUnreachable as e:
         raise IslandError(f"island {k}: {e} (--decoupled.syncer {dc.syncer}, --decoupled.retry-s {dc.retry_s:g})") from None
     except SyncRefused as e:
         raise IslandError(f"island {k}: the syncer refused it: {e}") from None
     finally:
-        log.close()
-        client.close()
+        if log is not None:
+            log.close()
+        if client is not None:
+            client.close()
     return 0

@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     decoupled.add_argument("--decoupled", action="store_true",
                            help="start a syncer and --num-processes islands; a lost island is restarted "
                                 "(--max-restarts) while the others train on")
+    decoupled.add_argument("--processes-per-island", type=int, default=1,
+                           help="processes of each decoupled island: a JAX world of their own over the island's "
+                                "--mesh.* devices, restarted together")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags for every process")
     args = parser.parse_args(argv)
     if args.num_processes < 1:
@@ -263,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --grace-s must be >= 0 (got {args.grace_s})", file=sys.stderr)
         return 2
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if args.processes_per_island != 1 and not args.decoupled:
+        print(f"error: --processes-per-island needs --decoupled (got {args.processes_per_island})", file=sys.stderr)
+        return 2
     if args.decoupled:
         return _decoupled(args, flags)
     elastic = _elastic(flags)
@@ -322,9 +328,11 @@ def _decoupled(args: argparse.Namespace, flags: list[str]) -> int:
         ("--decoupled.role", flag_value(flags, "--decoupled.role"), flag_value(flags, "--decoupled.role") is None),
         ("--decoupled.island", flag_value(flags, "--decoupled.island"), flag_value(flags, "--decoupled.island") is None),
         ("--bandwidth", args.bandwidth, args.bandwidth is None),
+        *[(flag, flag_value(flags, flag), flag_value(flags, flag) is None)
+          for flag in ("--dist.num-processes", "--dist.process-id", "--dist.coordinator-address")],
     ]:
         if not rule:
-            why = (f"must equal --num-processes {args.num_processes} (one island per process)"
+            why = (f"must equal --num-processes {args.num_processes} (one per island)"
                    if flag == "--diloco.num-replicas" else "is set by the launcher per process" if flag != "--bandwidth"
                    else "applies to one multi-process run, not to decoupled islands")
             print(f"error: with --decoupled, {flag} {why} (got {value})", file=sys.stderr)
@@ -337,11 +345,15 @@ def _decoupled(args: argparse.Namespace, flags: list[str]) -> int:
         if not value >= 0:
             print(f"error: {flag} must be >= 0 (got {value})", file=sys.stderr)
             return 2
+    if args.processes_per_island < 1:
+        print(f"error: --processes-per-island must be >= 1 (got {args.processes_per_island})", file=sys.stderr)
+        return 2
     from .decoupled import launch_decoupled
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="eqx_diloco_decoupled_"))
     code = launch_decoupled(args.num_processes, flags, module=args.module, log_dir=log_dir, grace_s=args.grace_s,
-                            max_restarts=args.max_restarts, rejoin_after_s=args.rejoin_after_s)
+                            max_restarts=args.max_restarts, rejoin_after_s=args.rejoin_after_s,
+                            processes_per_island=args.processes_per_island)
     if args.log_dir is None and code == 0:
         shutil.rmtree(log_dir, ignore_errors=True)
     elif code != 0:

@@ -8,6 +8,7 @@ Examples:
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -164,14 +165,24 @@ def _main(config: Config, process: _Process) -> int:
 
 
 def _decoupled(config: Config, process: _Process) -> int:
-    """A syncer or one island of a decoupled run: a program of its own, with no `jax.distributed` world
-    and no run-folder lock (the syncer and the islands share the run folder, each in its own files)."""
+    """A syncer or one island of a decoupled run: a program of its own that shares no `jax.distributed`
+    world with the others (an island of several processes has one of its own), and no run-folder lock
+    (the syncer and the islands share the run folder, each in its own files)."""
     check_writable(config, checkpoints=False)
     from .._mesh import ensure_cpu_devices
     from ._cache import enable_compilation_cache
 
     if config.decoupled.role == "island":  # before JAX starts: an island's own devices (simulated on CPU)
-        ensure_cpu_devices(config.mesh.data * config.mesh.fsdp * config.mesh.tensor)
+        from ._devices import join_processes
+
+        # Only the island's own processes (flags or JAX_* variables): a cluster job's other tasks are other islands.
+        config = dataclasses.replace(config, dist=dataclasses.replace(config.dist, cluster="none"))
+        check_dist(config)
+        layout = process_layout(config)
+        process.num_processes, process.process_id = layout.num_processes, layout.process_id
+        ensure_cpu_devices(config.mesh.data * config.mesh.fsdp * config.mesh.tensor // layout.num_processes)
+        join_processes(config, layout)  # an island of several processes: a JAX world of its own
+        process.joined = layout.num_processes > 1
     enable_compilation_cache(config)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     if config.decoupled.role == "syncer":
