@@ -8,10 +8,11 @@ Settings (every one with error feedback except float32):
     topk10-int2 ...  top-k at 10%, 5%, 3%, 2% and 1% (chunks of 65536, the default), values in int2;
                      topk10-int4 ... at 10%, 3% and 1% in int4
     topk3-int2-chunk256  top-k 3% of each 256-value chunk, int2
-    topk2-int2-gather    top-k 2% + int2 through the one-shot gather (no re-sparsification; R = 4
-                     picks two-phase by itself)
+    topk2-int2-gather, topk5-int2-gather  top-k 2% or 5% + int2 through the one-shot gather (no
+                     re-sparsification; R = 4 picks two-phase by itself)
     sparseloco-topk5-int2 ...  SparseLoCo: top-k 5%, 3%, 2% or 1% + int2, the residual decayed by 0.95
-                     before it is added (--diloco.error-feedback-decay) and no outer momentum
+                     before it is added (--diloco.error-feedback-decay) and no outer momentum;
+                     sparseloco-topk5-int2-gather the same at 5% through the gather
     muon             Muon inside (optax.contrib.muon on the stacked matrices, AdamW elsewhere), float32 sync
     muon-topk2-int2  Muon inside, top-k 2% + int2
 
@@ -50,10 +51,13 @@ SETTINGS: dict[str, dict] = {
        for d in (0.10, 0.05, 0.03, 0.02, 0.01) for fmt in ("int2", "int4") if fmt == "int2" or d in (0.10, 0.03, 0.01)},
     "topk3-int2-chunk256": dict(quantize="int2", topk=0.03, topk_chunk=256, **EF),
     "topk2-int2-gather": dict(quantize="int2", topk=0.02, exchange="gather", **EF),
+    "topk5-int2-gather": dict(quantize="int2", topk=0.05, exchange="gather", **EF),
     # SparseLoCo: the error-feedback accumulator decays (beta 0.95) and replaces outer momentum.
     **{f"sparseloco-topk{round(100 * d)}-int2": dict(quantize="int2", topk=d, error_feedback=True,
                                                      error_feedback_decay=0.95, outer_momentum=0.0)
        for d in (0.05, 0.03, 0.02, 0.01)},
+    "sparseloco-topk5-int2-gather": dict(quantize="int2", topk=0.05, error_feedback=True, error_feedback_decay=0.95,
+                                         outer_momentum=0.0, exchange="gather"),
     "muon": dict(inner="muon"),
     "muon-topk2-int2": dict(inner="muon", quantize="int2", topk=0.02, **EF),
 }

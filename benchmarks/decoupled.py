@@ -4,7 +4,8 @@ Every run is `python -m eqx_diloco.launch --num-processes 4 ...` on this machine
 replica each, as separate processes:
 
 - `decoupled`: `--decoupled` (a syncer and 4 independent islands; `--decoupled.adaptive-h` in the slow
-  scenario);
+  scenario); in the failures scenario also `decoupled-no-wait`, the same with `--decoupled.no-wait`
+  (an island pushes in the background and never waits for a merge);
 - `sync`: the synchronous multi-process run (`--diloco.num-replicas 4`), one JAX world;
 - `elastic`: the synchronous run with `--elastic.enabled` (the failures scenario: a lost island
   re-forms the run with the others, then rejoins).
@@ -100,9 +101,11 @@ class Run:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         launcher = ["--num-processes", str(ISLANDS), "--grace-s", "20", "--log-dir", str(self.run_dir) + "_logs"]
         trainer = ["--run-dir", str(self.run_dir), *FLAGS, "--train.steps", str(steps), "--train.seed", str(seed)]
-        if kind == "decoupled":
+        self.decoupled = kind.startswith("decoupled")
+        if self.decoupled:
             launcher = ["--decoupled", *launcher]
             trainer += ["--decoupled.adaptive-h"] if slow_s else []
+            trainer += ["--decoupled.no-wait"] if kind == "decoupled-no-wait" else []
         else:
             trainer += ["--diloco.num-replicas", str(ISLANDS)]
         if kind == "elastic":
@@ -121,7 +124,7 @@ class Run:
 
     def _pid(self, island: int) -> int | None:
         try:
-            if self.kind == "decoupled":
+            if self.decoupled:
                 return int((self.run_dir / f"island-{island}" / "pid").read_text())
             return json.loads((self.run_dir / "elastic" / f"island-{island}" / "progress.json").read_text())["pid"]
         except (OSError, ValueError, KeyError):
@@ -129,7 +132,7 @@ class Run:
 
     def _first_step_seen(self) -> bool:
         """Whether every island has made a step (the end of start-up; synchronous islands step together)."""
-        if self.kind == "decoupled":
+        if self.decoupled:
             return all(any("loss" in r for r in read_jsonl(self.run_dir / f"island-{k}" / "metrics.jsonl"))
                        for k in range(ISLANDS))
         return any("loss" in r for r in read_jsonl(self.run_dir / "metrics.jsonl"))
@@ -190,7 +193,7 @@ class Run:
                 **self._accounting()}
 
     def _accounting(self) -> dict:
-        if self.kind == "decoupled":
+        if self.decoupled:
             summary = json.loads((self.run_dir / "syncer" / "summary.json").read_text())
             steps = {k: [r for r in read_jsonl(self.run_dir / f"island-{k}" / "metrics.jsonl") if "loss" in r]
                      for k in range(ISLANDS)}
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decoupled benchmark: {kind} seed {seed}, {steps} steps, "
               f"{', '.join(f'{k}={v}' for k, v in kw.items()) or 'equal'}", flush=True)
         result = Run(kind, seed, steps, work, cache, **kw).go(args.timeout)
-        if kind == "decoupled":
+        if kind.startswith("decoupled"):
             result["median_step_s"] = median_step_s(result)
             result["longest_gap_s"] = max(b - a for times in result["step_times"].values()
                                           for a, b in zip(times, times[1:]))
@@ -323,20 +326,20 @@ def main(argv: list[str] | None = None) -> int:
         long = pinned["failure_steps"]
         result["failure_steps"] = long
         result["failure_free"] = {kind: [run(kind, s, steps=long) for s in range(pinned["failure_seeds"])]
-                                  for kind in ("decoupled", "sync")}
+                                  for kind in ("decoupled", "decoupled-no-wait", "sync")}
         save()
         result["failures"] = {}
-        for kind in ("decoupled", "elastic"):
+        for kind in ("decoupled", "decoupled-no-wait", "elastic"):
             runs = []
             for s in range(pinned["failure_seeds"]):
                 r = run(kind, s, steps=long, kills=kill_schedule(s), kill_seed=s)
-                reference = result["failure_free"]["decoupled" if kind == "decoupled" else "sync"][s]
+                reference = result["failure_free"]["sync" if kind == "elastic" else kind][s]
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
                 r["goodput_time"] = rate / base
                 r["goodput_wall"] = (r["tokens_merged"] / r["wall_s"]) / (reference["tokens_merged"] / reference["wall_s"])
                 r["goodput_tokens"] = r["tokens_merged"] / r["tokens_computed"]
-                if kind == "decoupled":
+                if kind != "elastic":
                     r["kill_gaps_s"] = kill_gaps(r)
                 runs.append(r)
             result["failures"][kind] = runs
@@ -390,9 +393,9 @@ def report(result: dict) -> str:
         rows = []
         for kind, runs in result["failures"].items():
             for r in runs:
-                if kind == "decoupled":
+                if kind != "elastic":
                     gaps = ", ".join(f"{g:.2f}" for g in r["kill_gaps_s"])
-                    calm = result["failure_free"]["decoupled"][r["seed"]]["longest_gap_s"]
+                    calm = result["failure_free"][kind][r["seed"]]["longest_gap_s"]
                     worst = f"{max(r['kill_gaps_s'], default=0) / r['median_step_s']:.1f}x ({gaps} s; median step " \
                             f"{r['median_step_s'] * 1000:.0f} ms; longest gap without kills {calm:.2f} s)"
                 else:
