@@ -9,7 +9,8 @@ Settings (every one with error feedback except float32):
                      topk10-int4 ... at 10%, 3% and 1% in int4
     topk3-int2-chunk256  top-k 3% of each 256-value chunk, int2
     topk2-int2-gather, topk5-int2-gather  top-k 2% or 5% + int2 through the one-shot gather (no
-                     re-sparsification; R = 4 picks two-phase by itself)
+                     re-sparsification); every other top-k setting runs the two-phase exchange above
+                     R = 2 (the owner re-sparsifies the reduced sum)
     sparseloco-topk5-int2 ...  SparseLoCo: top-k 5%, 3%, 2% or 1% + int2, the residual decayed by 0.95
                      before it is added (--diloco.error-feedback-decay) and no outer momentum;
                      sparseloco-topk5-int2-gather the same at 5% through the gather
@@ -65,6 +66,8 @@ SETTINGS: dict[str, dict] = {
 
 def make_config(setting: str, replicas: int, seed: int, run_dir: pathlib.Path, args):
     options = dict(SETTINGS[setting])
+    if "topk" in options and "exchange" not in options and replicas > 2:
+        options["exchange"] = "two_phase"  # top-k settings not named -gather: the two-phase exchange above R = 2
     optim = {"inner": options.pop("inner")} if "inner" in options else None
     return common.small_lm_config(quick=args.quick, steps=args.steps, sync_period=args.sync_period,
                                   num_replicas=replicas, seed=seed, run_dir=run_dir, diloco=options, optim=optim)

@@ -101,7 +101,7 @@ class DiLoCo(Results, Persistence, Traffic):
     - `exchange`: the collective of a quantized sync: `gather` (one-shot all-gather of every
       replica's payload: (R - 1) payloads sent, R decoded), `two_phase` (packed
       reduce-scatter + all-gather: 2 (R - 1) / R of a payload sent, O(n) decode memory, two
-      roundings) or `auto` (gather at R <= 2, two_phase above; float32 syncs use a psum).
+      roundings) or `auto` (gather at R <= 2 and top-k up to R = 8, else two_phase; float32: psum).
     - `routers`: optional `routers(params) -> tree of bools` flagging leaves that sync on
       their own period (MoE routers); `router_sync_period`: that period K (0 = off).
     - `on_nonfinite`: `stop` (outer gradients are averaged as they are; whoever reads the

@@ -38,12 +38,17 @@ and their positions). Gather adds the R sparse payloads; two-phase sparsifies ea
 replica's R chunks on its own, and the owner re-sparsifies the reduced chunk (the owner's
 error e2 below is then everything that second top-k dropped).
 
-**Choice of method (`method="auto"`).** Format "none" without top-k -> "psum". Otherwise "gather" for
-R <= 2 and "two_phase" for R > 2. At R = 2 both move the same bytes (one payload, up to
+**Choice of method (`method="auto"`).** Format "none" without top-k -> "psum". A dense lossy format:
+"gather" for R <= 2 and "two_phase" for R > 2. At R = 2 both move the same bytes (one payload, up to
 block padding), but two-phase needs two collectives and rounds twice, so the one-shot
 exchange is never worse. From R = 3 two-phase sends fewer bytes ((R - 1) vs
 2 (R - 1) / R payloads) and avoids the (R, n) decode; `benchmarks/wire.py` measures the
-time per sync (benchmarks/results/wire.md).
+time per sync (benchmarks/results/wire.md). A sparse (top-k) codec: "gather" up to
+`SPARSE_GATHER_MAX_REPLICAS` replicas, "two_phase" above. The owner's second top-k drops part of the
+reduced sum and trains far worse (at R = 4, 2% top-k + int2, 500 steps: +23.9% against +8.2% above
+float32 DiLoCo, benchmarks/results/compression), while a sparse payload is small enough that R - 1 of
+them stay cheap (3% + int2 at R = 8: 0.034x the bytes of a float32 all-reduce); gather's bytes grow
+with R, so two-phase takes over beyond that.
 
 **Skipped replicas (weight 0).** A replica whose weight is 0 zeroes what it sends (the
 scales of a blocked payload, the values of "none"/"bf16"), so its payload decodes to
@@ -82,6 +87,7 @@ from ._codec import Codec, as_codec, zero_if_skipped
 
 Method = Literal["psum", "gather", "two_phase"]
 METHODS: tuple[str, ...] = ("psum", "gather", "two_phase")
+SPARSE_GATHER_MAX_REPLICAS = 8  # `auto` gathers sparse payloads up to this R (module docstring)
 
 
 def resolve_method(method: str, num_replicas: int, fmt: "str | Codec") -> Method:
@@ -93,8 +99,9 @@ def resolve_method(method: str, num_replicas: int, fmt: "str | Codec") -> Method
     - `num_replicas`: R, the number of replicas.
     - `fmt`: the wire format (one of `quantize.FORMATS`, or a `Codec`, e.g. with top-k).
 
-    **Returns:** "auto" resolves to "psum" for a lossless format ("none" without top-k), else
-    "gather" when R <= 2 and "two_phase" when R > 2 (see the module docstring for why).
+    **Returns:** "auto" resolves to "psum" for a lossless format ("none" without top-k), to
+    "gather" for a sparse codec up to `SPARSE_GATHER_MAX_REPLICAS` replicas, else "gather" when
+    R <= 2 and "two_phase" when R > 2 (see the module docstring for why).
     Explicit methods are returned unchanged; "psum" with a lossy format is a ValueError (a
     psum of quantized codes would overflow or round wrongly).
     """
@@ -102,7 +109,8 @@ def resolve_method(method: str, num_replicas: int, fmt: "str | Codec") -> Method
     if method == "auto":
         if codec.lossless:
             return "psum"
-        return "gather" if num_replicas <= 2 else "two_phase"
+        gather_up_to = SPARSE_GATHER_MAX_REPLICAS if codec.sparse else 2
+        return "gather" if num_replicas <= gather_up_to else "two_phase"
     if method not in METHODS:
         raise ValueError(f"unknown exchange method {method!r}; expected auto or one of {', '.join(METHODS)}")
     if method == "psum" and not codec.lossless:

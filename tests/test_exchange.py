@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from eqx_diloco import _exchange, quantize
+from eqx_diloco._codec import Codec
 from eqx_diloco._exchange import exchange_sum, resolve_method, wire_nbytes
 from util import slow_except
 
@@ -402,6 +403,9 @@ def test_resolve_method():
     assert resolve_method("auto", 2, "int4") == "gather"
     assert resolve_method("auto", 1, "int4") == "gather"
     assert resolve_method("auto", 3, "int4") == "two_phase"
+    # Top-k payloads: gathered up to R = 8 (a second top-k of the reduced sum trains worse), two-phase above.
+    assert resolve_method("auto", 8, Codec("int2", topk=0.03)) == "gather"
+    assert resolve_method("auto", 9, Codec("int2", topk=0.03)) == "two_phase"
     assert resolve_method("two_phase", 2, "none") == "two_phase"
     with pytest.raises(ValueError):
         resolve_method("psum", 4, "int4")

@@ -54,7 +54,7 @@ class DiLoCoConfig:
     outer_overlap: Literal["none", "delayed", "eager"] = "none"
     """overlap each sync's whole exchange with the next round of that fragment (arXiv 2502.12996): `delayed` applies the averaged outer gradient one outer step late; `eager` uses each replica's fresh outer gradient in place of its own stale share and corrects with the others' when they arrive (needs --diloco.overlap-steps 0, --diloco.alpha 0; eager needs --train.on-nonfinite stop)."""
     exchange: Literal["auto", "gather", "two_phase"] = "auto"
-    """collective of a quantized sync: `gather` (all-gather every replica's payload: each sends R-1 payloads), `two_phase` (packed reduce-scatter + all-gather: each sends 2(R-1)/R of a payload, like a ring all-reduce; rounds twice) or `auto` (gather at R <= 2, two_phase above)."""
+    """collective of a quantized sync: `gather` (all-gather every replica's payload: each sends R-1 payloads), `two_phase` (packed reduce-scatter + all-gather: each sends 2(R-1)/R of a payload, like a ring all-reduce; rounds twice) or `auto` (gather at R <= 2, two_phase above; top-k payloads are gathered up to R = 8: a second top-k of the reduced sum trains worse)."""
     router_sync_period: int = 0
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
     comm_device: Literal["auto", "on", "off"] = "auto"
