@@ -1,6 +1,7 @@
 """Decoupled islands: the syncer's merge against the equations, its windows (quorum, grace, staleness),
 equivalence with synchronous DiLoCo, bad calls, restarts and rejoins, and the flags."""
 
+import pathlib
 import threading
 import time
 
@@ -397,12 +398,12 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
     flags = ["--run-dir", str(run), "--data.source", "synthetic", "--model.num-layers", "2", "--model.dim", "32",
              "--model.num-heads", "2", "--train.batch-size", "4", "--train.seq-len", "16", "--train.steps", str(steps),
              "--train.eval-every", "100", "--diloco.sync-period", "10", "--diloco.num-fragments", "2",
-             "--diloco.quantize", "int4", "--diloco.error-feedback", "--mesh.fsdp", "2"]
+             "--diloco.quantize", "int4", "--diloco.error-feedback", "--mesh.fsdp", "2"]  # islands of 2 devices
     env = dict(os.environ, EQX_DILOCO_SLOW_ISLANDS="0:0.02,1:0.02")  # 20 ms more per step: killed mid-run
-    # Islands of 2 processes of one device each: killing island 1's leader takes the island down as a whole.
+    # (Islands of several processes restart as a whole: test_one_dead_process_takes_its_island_down_...)
     proc = subprocess.Popen([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
-                             "--processes-per-island", "2", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"),
-                             "--", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--", *flags], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def step_of(k):
             return max((r["step"] for r in read_jsonl(run / f"island-{k}" / "metrics.jsonl") if "loss" in r), default=0)
@@ -424,14 +425,45 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
         assert max(r["step"] for r in records if "loss" in r) == steps
     joins = [r for r in read_jsonl(run / "island-1" / "metrics.jsonl") if r.get("joined")]
     assert len(joins) == 2 and joins[1]["step"] > 0  # it rejoined where its newest sync left it
-    assert {(r["devices"], r["processes"]) for r in joins} == {(2, 2)}
-    assert (tmp_path / "logs" / "island-1-process-1.log").exists()
+    assert {(r["devices"], r["processes"]) for r in joins} == {(2, 1)}
     assert json.loads((run / "syncer" / "address.json").read_text())["restored"] is not None
     summary = json.loads((run / "syncer" / "summary.json").read_text())
     computed = 4 * 16 * sum(1 for k in range(2) for r in read_jsonl(run / f"island-{k}" / "metrics.jsonl") if "loss" in r)
     assert 0.5 * computed < summary["tokens_merged"] < computed  # the kills lost some work, not most of it
     evals = [r["eval_loss"] for r in read_jsonl(run / "metrics.jsonl")]
     assert evals[-1] < 0.7 * evals[0]
+
+
+@pytest.mark.slow  # stand-in processes, no JAX program: a few seconds
+def test_one_dead_process_takes_its_island_down_and_the_island_restarts_whole(tmp_path):
+    """Islands of 2 processes (`--processes-per-island 2`) under the decoupled launcher, with a stand-in
+    trainer: island 1's process 1 fails at its first start; its leader, still running, is stopped with it,
+    and island 1 starts again as 2 processes with a coordinator of its own; island 0 is never touched."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = pathlib.Path(__file__).parent
+    env = dict(os.environ, DECOUPLED_CHILD_DIR=str(tmp_path), DECOUPLED_CHILD_FAIL="1:1", DECOUPLED_CHILD_SECONDS="3",
+               PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
+                           "--processes-per-island", "2", "--max-restarts", "1", "--module", "decoupled_child",
+                           "--log-dir", str(tmp_path / "logs"), "--", "--run-dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 decoupled islands of 2 processes" in proc.stderr
+    assert "island 1 exited with 1; restart 1 of 1" in proc.stderr
+    lines = [json.loads(line) for line in (tmp_path / "starts.jsonl").read_text().splitlines()]
+    starts, finished = [r for r in lines if "role" in r], {r["finished"] for r in lines if "finished" in r}
+    island = {k: [s for s in starts if s["island"] == k] for k in ("0", "1")}
+    assert [s["process"] for s in island["0"]] == [0, 1] and [s["process"] for s in island["1"]] == [0, 1, 0, 1]
+    assert {s["processes"] for s in island["0"] + island["1"]} == {"2"}
+    coordinators = [{s["coordinator"] for s in starts} for starts in (island["0"], island["1"][:2], island["1"][2:])]
+    assert all(len(c) == 1 for c in coordinators) and len(set.union(*coordinators)) == 3  # one per island start
+    assert island["1"][0]["pid"] not in finished  # the first leader was stopped with its failed process
+    assert finished == {s["pid"] for s in island["0"] + island["1"][2:]}  # every other island process finished
+    assert [s["role"] for s in starts].count("syncer") == 1
 
 
 @pytest.mark.slow  # two decoupled runs through the launcher (about 40 s)

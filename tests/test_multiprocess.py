@@ -58,17 +58,17 @@ def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_
     np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
 
 
-@pytest.mark.slow  # two runs of the CLI, one of them as 2 processes
+@pytest.mark.slow  # two runs of the CLI, one of them as 4 processes
 def test_sharded_islands_over_processes_equal_one_process(make_config, tmp_path):
-    """Two islands sharded over 2 devices each (--mesh.fsdp 2): held by one process each, then each
-    spanning 2 processes of one device (its fsdp collectives cross processes), against one process."""
+    """Two islands sharded over 2 devices each (--mesh.fsdp 2), each spanning 2 processes of one device
+    (its fsdp collectives cross processes), against one process. (An island of 2 devices in one process
+    of a multi-process run: the elastic launcher tests.)"""
     flags = ["--diloco.sync-period", "2", "--train.steps", str(STEPS), "--model.num-layers", "2", "--model.dim", "32",
              "--model.mlp-ratio", "2", "--train.lr", "0.01", "--mesh.fsdp", "2"]
     single = make_config(diloco=dict(num_replicas=2, sync_period=2), mesh=dict(fsdp=2),
                          train=dict(steps=STEPS, lr=0.01, batch_size=4, seq_len=16, eval_every=50, warmup_steps=20))
     Trainer(single, verbose=False).run()
-    for processes, islands in [(2, "replica 0 on process 0, replica 1 on process 1"),
-                               (4, "replica 0 on processes 0-1, replica 1 on processes 2-3")]:
+    for processes, islands in [(4, "replica 0 on processes 0-1, replica 1 on processes 2-3")]:
         proc = _launch(processes, tmp_path / f"multi{processes}", *flags)
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
