@@ -450,7 +450,7 @@ def test_one_dead_process_takes_its_island_down_and_the_island_restarts_whole(tm
     proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
                            "--processes-per-island", "2", "--max-restarts", "1", "--module", "decoupled_child",
                            "--log-dir", str(tmp_path / "logs"), "--", "--run-dir", str(tmp_path / "run")],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "2 decoupled islands of 2 processes" in proc.stderr
     assert "island 1 exited with 1; restart 1 of 1" in proc.stderr
@@ -483,7 +483,7 @@ def test_an_island_of_two_processes_trains_like_an_island_of_one(tmp_path):
                  "--mesh.fsdp", "2", "--mesh.tensor", "2"]
         proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "1",
                                "--processes-per-island", str(processes), "--log-dir", str(tmp_path / f"{name}-logs"),
-                               "--", *flags], capture_output=True, text=True, timeout=300)
+                               "--", *flags], capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (join,) = [r for r in read_jsonl(run_dir / "island-0" / "metrics.jsonl") if r.get("joined")]
         assert (join["devices"], join["processes"]) == (4, processes)

@@ -2,17 +2,17 @@
 
     python -m eqx_diloco.launch --decoupled --num-processes 4 --max-restarts 2 -- --diloco.quantize int4
 
-With `--processes-per-island S` each island is S processes, one JAX world of their own (a coordinator of
-its own), its devices those of its `--mesh.*` flags split over them; one that dies takes its island down
-and the island is restarted as a whole. Every process runs `python -m eqx_diloco.train <flags>` with `--decoupled.role syncer` or
+Every process runs `python -m eqx_diloco.train <flags>` with `--decoupled.role syncer` or
 `--decoupled.role island --decoupled.island K`, the syncer's address and `--diloco.num-replicas N`.
-They share no JAX runtime: an island that dies is restarted (up to `--max-restarts` times, after
+Islands share no JAX runtime: an island that dies is restarted (up to `--max-restarts` times, after
 `--rejoin-after-s`) while the others train on, and joins again from the current theta_g; a syncer that
 dies is restarted on the same port from its newest checkpoint while the islands retry. The shared
 secret is `$EQX_DILOCO_SYNCER_TOKEN` if set, else a fresh random one, passed to the processes in their
 environment (never on a command line, which other users of the machine can read). When every island
 has finished (or failed with no restarts left), the syncer is stopped: it evaluates theta_g once more,
-checkpoints and writes its summary.
+checkpoints and writes its summary. With `--processes-per-island S` each island is S processes, one JAX
+world of their own (a coordinator of its own), its `--mesh.*` devices split over them; one process that
+dies takes its island down and the island is restarted as a whole.
 
 The same roles by hand, on several hosts (see the README):
 
