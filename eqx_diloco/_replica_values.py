@@ -73,26 +73,39 @@ class ReplicaGather:
         """Gather now (after every earlier `submit`)."""
         return self.submit(arrays).result()
 
-    def submit(self, arrays: dict[str, jax.Array]) -> "Future[dict[str, np.ndarray]]":
+    def submit(self, arrays: dict[str, jax.Array],
+               per_process: dict[str, float] | None = None) -> "Future[dict[str, np.ndarray]]":
         """Start a gather; the future holds what `__call__` returns.
 
         This process's rows are read here (waiting for their computation); the exchange with
         the other processes runs on one background thread, in call order, so a slow link holds
         up the future, not the caller.
+
+        **Arguments:**
+
+        - `arrays`: per name, an array whose leading axis is the replicas (each process holds some rows).
+        - `per_process`: per name, one host number of this process's own; gathered as a float64
+          array with one entry per process, in process order. Names must not clash with `arrays`.
         """
         done: Future = Future()
+        mine = {name: np.float64(v) for name, v in (per_process or {}).items()}
+        if set(mine) & set(arrays):
+            raise ValueError(f"per-process names {sorted(set(mine) & set(arrays))} are also array names")
         if jax.process_count() == 1:
-            done.set_result({k: np.asarray(v) for k, v in arrays.items()})
+            done.set_result({**{k: np.asarray(v) for k, v in arrays.items()},
+                             **{k: np.array([v]) for k, v in mine.items()}})
             return done
         client = _kv_client()
         if client is None:  # a JAX without the private client: a device collective (may wait on syncs)
             from jax.experimental import multihost_utils
 
             done.set_result({k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
-                             for k, v in arrays.items()})
+                             for k, v in {**arrays, **mine}.items()})
             return done
         rows = {name: _local_rows(x) for name, x in arrays.items()}
         num_rows = {name: x.shape[0] for name, x in arrays.items()}
+        for name, value in mine.items():  # one "row" per process, indexed by the process
+            rows[name], num_rows[name] = {jax.process_index(): value}, jax.process_count()
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             # A daemon: a process that fails while an exchange waits on a dead peer must still exit.
@@ -101,15 +114,18 @@ class ReplicaGather:
         self.calls += 1
         return done
 
-    def submit_many(self, batch: list[dict[str, jax.Array]]) -> "list[Future[dict[str, np.ndarray]]]":
+    def submit_many(self, batch: list[dict[str, jax.Array]],
+                    per_process: dict[str, float] | None = None) -> "list[Future[dict[str, np.ndarray]]]":
         """Start the gathers of several dicts as one exchange: one round of key-value calls carries
         them all, instead of a round per dict. The futures hold what `submit` would have returned
         for each dict; every process must batch the same dicts together (the calls are matched by
-        a counter, as for `submit`)."""
+        a counter, as for `submit`). `per_process` values (see `submit`) come with the last dict's."""
         if not batch:
             return []
-        whole = self.submit({f"{i}/{name}": x for i, arrays in enumerate(batch) for name, x in arrays.items()})
-        return [_part_of(whole, i, list(arrays)) for i, arrays in enumerate(batch)]
+        whole = self.submit({f"{i}/{name}": x for i, arrays in enumerate(batch) for name, x in arrays.items()},
+                            per_process=per_process)
+        last, extra = len(batch) - 1, list(per_process or {})
+        return [_part_of(whole, i, list(arrays), extra if i == last else []) for i, arrays in enumerate(batch)]
 
     def _work(self, client) -> None:
         while True:
@@ -151,8 +167,9 @@ class ReplicaGather:
         return {name: np.stack([r[i] for i in sorted(r)]) for name, r in rows.items()}
 
 
-def _part_of(whole: Future, i: int, names: list[str]) -> Future:
-    """The future of dict `i` of a `submit_many` batch, resolved when the whole batch is."""
+def _part_of(whole: Future, i: int, names: list[str], per_process: list[str]) -> Future:
+    """The future of dict `i` of a `submit_many` batch (with the `per_process` values named), resolved
+    when the whole batch is."""
     part: Future = Future()
 
     def settle(done: Future) -> None:
@@ -160,7 +177,8 @@ def _part_of(whole: Future, i: int, names: list[str]) -> Future:
             part.set_exception(done.exception())
         else:
             gathered = done.result()
-            part.set_result({name: gathered[f"{i}/{name}"] for name in names})
+            part.set_result({**{name: gathered[f"{i}/{name}"] for name in names},
+                             **{name: gathered[name] for name in per_process}})
 
     whole.add_done_callback(settle)
     return part

@@ -35,6 +35,8 @@ BAD = [
       "--diloco.overlap-steps", "4"], "--diloco.overlap-steps must be < --diloco.sync-period / --diloco.num-fragments"),
     (["--diloco.overlap-steps", "-1"], "--diloco.overlap-steps must be >= 0"),
     (["--dist.metrics-lag", "-1"], "--dist.metrics-lag must be >= 0"),
+    (["--dist.metrics-interval-s", "-0.5"], "--dist.metrics-interval-s must be a finite number >= 0"),
+    (["--dist.metrics-interval-s", "inf"], "--dist.metrics-interval-s must be a finite number >= 0"),
     (["--diloco.alpha", "1.5"], "--diloco.alpha must be in [0, 1]"),
     (["--diloco.alpha", "-0.1"], "--diloco.alpha must be in [0, 1]"),
     (["--algorithm", "ddp", "--diloco.num-fragments", "2"], "--diloco.num-fragments applies to --algorithm diloco"),

@@ -184,6 +184,27 @@ def test_a_batch_travels_in_one_exchange_and_each_dict_gets_its_own_values(two_p
     assert gather.submit_many([]) == []
 
 
+def test_per_process_values_travel_with_the_last_dict_of_a_batch(two_processes):
+    gather = ReplicaGather(timeout_s=30)
+    futures = gather.submit_many([{"loss": jnp.array([1.5, 0.0], jnp.float32)}] * 2,
+                                 per_process={"seconds_per_step": 0.25})
+    two_processes.release(0, {"0/loss": {1: np.float32(3.0)}, "1/loss": {1: np.float32(4.0)},
+                              "seconds_per_step": {1: np.float64(0.5)}})  # process 1's own number
+    first, second = (f.result(timeout=10) for f in futures)
+    assert set(first) == {"loss"}
+    assert second["seconds_per_step"].tolist() == [0.25, 0.5] and second["seconds_per_step"].dtype == np.float64
+    with pytest.raises(ValueError, match=r"per-process names \['loss'\] are also array names"):
+        gather.submit({"loss": jnp.array([1.0, 0.0], jnp.float32)}, per_process={"loss": 1.0})
+
+
+def test_a_peer_without_its_per_process_value_is_refused(two_processes):
+    future = ReplicaGather(timeout_s=30).submit({"loss": jnp.array([1.0, 0.0], jnp.float32)},
+                                                per_process={"seconds_per_step": 0.1})
+    two_processes.release(0, {"loss": {1: np.float32(3.0)}})  # a peer that sent no seconds_per_step
+    with pytest.raises(WireFormatError, match="malformed"):
+        future.result(timeout=10)
+
+
 def test_a_failed_batch_fails_every_dict_of_it(two_processes):
     futures = ReplicaGather(timeout_s=0).submit_many([{"loss": jnp.array([1.0, 0.0], jnp.float32)}] * 3)
     for future in futures:

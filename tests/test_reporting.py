@@ -17,15 +17,22 @@ from eqx_diloco.lm.config import Config, TrainConfig
 class RecordingGather:
     """Stands in for `ReplicaGather`: records each batch and answers it at once with the values."""
 
-    def __init__(self):
+    def __init__(self, peer_seconds_per_step: float | None = None):
         self.batches: list[list[int]] = []  # the steps of each exchange
+        self.sent_seconds: list[float] = []  # this process's seconds per step, per exchange
+        self.peer = peer_seconds_per_step  # a second process's seconds per step, if any
 
-    def submit_many(self, batch):
+    def submit_many(self, batch, per_process=None):
         self.batches.append([int(arrays["step"][0]) for arrays in batch])
         futures = []
-        for arrays in batch:
+        for i, arrays in enumerate(batch):
             done: Future = Future()
-            done.set_result({k: np.asarray(v) for k, v in arrays.items()})
+            values = {k: np.asarray(v) for k, v in arrays.items()}
+            if per_process and i == len(batch) - 1:
+                mine = per_process["seconds_per_step"]
+                self.sent_seconds.append(mine)
+                values["seconds_per_step"] = np.array([mine] + ([self.peer] if self.peer is not None else []))
+            done.set_result(values)
             futures.append(done)
         return futures
 
@@ -48,12 +55,12 @@ class Quiet:
         pass
 
 
-def reporter(lag: int, steps: int, gather) -> tuple[Reporter, Lines]:
+def reporter(lag: int, steps: int, gather, interval_s: float = 0.0) -> tuple[Reporter, Lines]:
     lines = Lines()
     config = Config(train=TrainConfig(steps=steps, log_every=1))
     report = Reporter(config, (lines,), Quiet(), gather, lag=lag, signals=StopSignals(),
                       checks=FiniteChecks("stop"), mesh=None, lr_schedule=optax.constant_schedule(0.1),
-                      tokens_per_step=8, start_time=0.0, start_step=0)
+                      tokens_per_step=8, start_time=0.0, start_step=0, interval_s=interval_s)
     return report, lines
 
 
@@ -110,3 +117,45 @@ def test_each_record_has_the_schedules_learning_rate_across_blocks(monkeypatch):
     assert [r["step"] for r in lines.records] == list(range(4, 21))
     np.testing.assert_allclose([r["lr"] for r in lines.records], [float(schedule(t - 1)) for t in range(4, 21)],
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize(("peer", "expected_lag"), [(None, 25), (0.02, 13)])
+def test_short_steps_travel_more_at_a_time_and_the_slowest_process_sets_how_many(monkeypatch, peer, expected_lag):
+    """Steps of 10 ms with `interval_s` 0.25: after the first two exchanges of `lag` = 4 steps, exchanges carry
+    25 steps (0.25 s of them); a second process at 20 ms per step makes it 13 (every process computes the
+    same lag from the same gathered values, so all batch the same steps)."""
+    from eqx_diloco.lm import _reporting
+
+    clock = iter(np.arange(1000) * 0.01)
+    monkeypatch.setattr(_reporting.time, "perf_counter", lambda: float(next(clock)))
+    gather = RecordingGather(peer_seconds_per_step=peer)
+    report, lines = reporter(4, 120, gather, interval_s=0.25)
+    for t in range(1, 121):
+        report.publish(pending(t))
+        report.flush(keep=report.current_lag)
+    report.flush()
+    sizes = [len(b) for b in gather.batches]
+    # The first exchange is read `lag` steps after it is sent, when the second is already on its way.
+    assert sizes[:2] == [4, 4] and set(sizes[2:-1]) == {expected_lag} and sizes[-1] <= expected_lag
+    np.testing.assert_allclose(gather.sent_seconds, 0.01)  # this process's own steps: 10 ms apart
+    assert [r["step"] for r in lines.records] == list(range(1, 121))
+
+
+def test_the_lag_never_drops_below_the_flag_nor_adapts_without_an_interval():
+    report, _ = reporter(8, 10, RecordingGather(), interval_s=0.25)
+    report._adapt_lag(np.array([1.0, 2.0]))  # long steps: the flag's lag stays
+    assert report.current_lag == 8
+    report._adapt_lag(np.array([1e-9]))  # absurdly short ones: capped
+    assert report.current_lag == _reporting_max_lag()
+    gather = RecordingGather()
+    report, _ = reporter(3, 30, gather)  # interval 0: the flag's lag, no seconds sent
+    for t in range(1, 31):
+        report.publish(pending(t))
+        report.flush(keep=report.current_lag)
+    assert {len(b) for b in gather.batches} == {3} and gather.sent_seconds == []
+
+
+def _reporting_max_lag() -> int:
+    from eqx_diloco.lm import _reporting
+
+    return _reporting.MAX_LAG

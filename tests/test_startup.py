@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import equinox as eqx
 import jax
@@ -270,3 +271,31 @@ def test_the_breakdown_table_gives_each_phases_own_length():
               "layouts": {"1 process": {"cold": summarize([run(9.0, 2.0, 7.0, 8.0)]), "warm": warm}}}
     text = markdown(result)
     assert "| compile | 5.00 | 3.00 |" in text and "| **whole run, start to exit** | **9.00** | **6.00** |" in text
+
+
+def test_a_process_waits_for_its_coordinator_to_listen_before_joining():
+    """Processes other than 0 poll the coordinator's port before `jax.distributed.initialize`: asked too early,
+    gRPC refuses and tries again only after its one-second back-off, which every launched run paid."""
+    import socket
+    import threading
+
+    from eqx_diloco.lm._devices import wait_until_reachable
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address, listening = f"127.0.0.1:{port}", threading.Event()
+    server = socket.socket()
+
+    def listen_later():
+        time.sleep(0.3)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        listening.set()
+
+    threading.Thread(target=listen_later, daemon=True).start()
+    try:
+        assert not listening.is_set() and wait_until_reachable(address, timeout_s=30) and listening.is_set()
+    finally:
+        server.close()
+    assert not wait_until_reachable(address, timeout_s=0.2)  # nobody listens any more: gives up, returns False

@@ -154,6 +154,8 @@ def join(coordinator: str, num_processes: int, process_id: int, *, heartbeat_tim
             os._exit(1)
 
     threading.Thread(target=give_up, name="eqx_diloco-join-timeout", daemon=True).start()
+    if process_id != 0:
+        wait_until_reachable(coordinator, timeout_s)
     try:
         # Detection is off: the layout already holds what a cluster manager says, and JAX's detection would
         # also give each process only the one GPU its local task index names, where a process here may
@@ -184,14 +186,28 @@ def join_timeout_message(coordinator: str, num_processes: int, process_id: int, 
             f"and its own --dist.process-id")
 
 
-def _reachable(address: str) -> bool:
+def _reachable(address: str, timeout_s: float = 2) -> bool:
     """Whether something accepts TCP connections at `host:port` (the coordinator's service)."""
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return True
     except (OSError, ValueError):
         return False
+
+
+def wait_until_reachable(address: str, timeout_s: float, poll_s: float = 0.01) -> bool:
+    """Wait until the coordinator at `address` accepts connections (at most `timeout_s`; returns whether it did).
+
+    A process that asks JAX to join before the coordinator listens gets a refused connection, and gRPC
+    only tries again after its reconnect back-off of a second: processes started together, whose
+    coordinator is still importing JAX, all lost that second at every start."""
+    deadline = time.monotonic() + timeout_s
+    while not _reachable(address, timeout_s=1):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:

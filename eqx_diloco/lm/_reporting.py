@@ -4,7 +4,11 @@ TensorBoard, shown on the terminal).
 
 Across processes the exchange of step t's values runs in the background, `--dist.metrics-lag`
 steps' values at a time, and is read that many steps later, so its round trips to the
-coordinator neither delay every step nor cost a round per step."""
+coordinator neither delay every step nor cost a round per step. Where steps are short, more
+steps travel at a time: no more than one exchange per `--dist.metrics-interval-s`, since an
+exchange costs milliseconds of host time whatever it carries."""
+
+import math
 
 import collections
 import dataclasses
@@ -31,6 +35,7 @@ from .metrics import LogWriteError, ProgressDisplay
 
 
 LR_BLOCK = 1024  # learning rates computed per device call
+MAX_LAG = 1024  # steps per exchange at most, however short the steps
 
 
 @dataclasses.dataclass
@@ -41,7 +46,10 @@ class Reporter:
     - `logs`: where records go (metrics.jsonl, TensorBoard); each has `write(record)`.
     - `display`: the terminal's progress display.
     - `gather`: the exchange of per-replica values across processes.
-    - `lag`: steps the exchange may trail the loop (0 for a single process).
+    - `lag`: steps the exchange may trail the loop at least (0 for a single process: no exchange to wait for).
+    - `interval_s`: the shortest time between two exchanges. Each exchange carries every process's
+      seconds per step, and the next ones carry enough steps to span this long (at least `lag`);
+      every process reads the same values, so all agree on the new lag at the same step. 0 = `lag` always.
     - `signals`: the run's signals, published with every step and agreed on when it is emitted.
     - `checks`: the non-finite checks.
     - `mesh`: the replicas' mesh (for the signal rows).
@@ -67,6 +75,7 @@ class Reporter:
     start_step: int
     progress_dir: Path | None = None
     elastic_events: list[dict] = dataclasses.field(default_factory=list)
+    interval_s: float = 0.0
     # A line shown before the next emitted step (how long compiling took).
     note: str | None = None
     # The first failed write (a full or read-only disk), if any: see `write`.
@@ -74,8 +83,11 @@ class Reporter:
     _inflight: collections.deque = dataclasses.field(default_factory=collections.deque)  # sent, not emitted
     _unsent: list = dataclasses.field(default_factory=list)  # published, exchange not started
     _timer: tuple[float, int] = (0.0, 0)  # when the last logged step was read, and which step
+    current_lag: int = 0  # steps per exchange now: `lag`, or more where steps are short (see `interval_s`)
+    _last_sent_at: float | None = None  # when the last step of the previous exchange was read here
 
     def __post_init__(self):
+        self.current_lag = self.lag
         self._timer = (time.perf_counter(), self.start_step)
         # The schedule's values, LR_BLOCK steps per compiled call: a device call per logged step would
         # queue behind the steps in flight and make the host wait for them (compiled here, not mid-run).
@@ -122,14 +134,30 @@ class Reporter:
             arrays["global_finite"] = global_finite
         jax.block_until_ready(arrays)  # step t is done here: its time is now, not when its exchange ends
         self._unsent.append((dict(pending, read_at=time.perf_counter()), arrays))
-        if len(self._unsent) >= max(1, self.lag):
+        if len(self._unsent) >= max(1, self.current_lag):
             self._send()
 
     def _send(self) -> None:
-        """Start one exchange for every published step not yet sent."""
-        futures = self.gather.submit_many([arrays for _, arrays in self._unsent])
+        """Start one exchange for every published step not yet sent (with this process's seconds per
+        step over them, where the lag adapts)."""
+        per_process = None
+        read = [pending["read_at"] for pending, _ in self._unsent]
+        if self.lag > 0 and self.interval_s > 0:
+            first = self._last_sent_at if self._last_sent_at is not None else read[0]
+            steps = len(read) if self._last_sent_at is not None else len(read) - 1
+            # No span to measure (one step, first exchange): infinitely long steps keep the lag at `lag`.
+            per_process = {"seconds_per_step": (read[-1] - first) / steps if steps else math.inf}
+        self._last_sent_at = read[-1]
+        futures = self.gather.submit_many([arrays for _, arrays in self._unsent], per_process=per_process)
         self._inflight.extend(dict(pending, gathered=f) for (pending, _), f in zip(self._unsent, futures))
         self._unsent = []
+
+    def _adapt_lag(self, seconds_per_step: np.ndarray) -> None:
+        """Steps per exchange from every process's seconds per step (the slowest decides: the fewest
+        steps), the same on every process since all read the same gathered values."""
+        slowest = float(np.max(seconds_per_step))
+        wanted = math.ceil(self.interval_s / slowest - 1e-9) if 0 < slowest < math.inf else self.lag
+        self.current_lag = max(self.lag, min(MAX_LAG, wanted))
 
     def flush(self, keep: int = 0) -> None:
         """Emit the published steps, oldest first, until at most `keep` sent ones remain in flight
@@ -147,7 +175,9 @@ class Reporter:
     def _emit(self, pending: dict[str, Any]) -> None:
         """Check and log step t's gathered values (waiting for their exchange)."""
         t = pending["step"]
-        m = pending["gathered"].result()
+        m = dict(pending["gathered"].result())
+        if "seconds_per_step" in m:  # the last step of an exchange
+            self._adapt_lag(m.pop("seconds_per_step"))
         global_finite = pending["global_finite"]
         if "global_finite" in m:
             global_finite = bool(np.all(m.pop("global_finite")))

@@ -161,6 +161,8 @@ class DistributedConfig:
     """seconds every process waits at start-up for all the others to join the coordinator; then it stops with one line naming the coordinator and the processes it waited for."""
     metrics_lag: int = 8
     """steps by which reading the other processes' per-step values (losses, finite flags, stop requests) may trail training. That exchange takes round trips to the coordinator over the same link as the syncs (where it can also queue behind an outer gradient); with a lag they overlap the next steps instead of delaying each one, and the values of this many steps travel in one exchange. Non-finite checks and agreed stops act this many to twice as many steps late; evaluations, checkpoints and elastic sync boundaries still wait for everything. 0 = wait every step. Single-process runs read their values at once."""
+    metrics_interval_s: float = 0.25
+    """the shortest time between two exchanges of those values: where steps are shorter than `--dist.metrics-interval-s / --dist.metrics-lag`, each exchange carries more steps (up to 1024), since one costs milliseconds of host time however few steps it carries. Checks and stops then act within about twice this. 0 = always `--dist.metrics-lag` steps."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +309,8 @@ def validate(config: Config) -> None:
         ("--dist.metrics-lag", config.dist.metrics_lag),
     ]:
         _require(value >= 0, f"{flag} must be >= 0 (got {value})")
+    _require(0 <= config.dist.metrics_interval_s < float("inf"),
+             f"--dist.metrics-interval-s must be a finite number >= 0 (got {config.dist.metrics_interval_s})")
     _require(config.checkpoint.keep >= 1, f"--checkpoint.keep must be >= 1 (got {config.checkpoint.keep})")
     _require(config.checkpoint.restore_step is None or config.checkpoint.restore_step >= 1,
              f"--checkpoint.restore-step must be >= 1 (got {config.checkpoint.restore_step})")

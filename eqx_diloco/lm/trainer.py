@@ -204,7 +204,8 @@ class Trainer:
         try:
             tb = TensorBoardLog(config.run_dir, resume_step=start, enabled=self.is_main)
             self._reporter = Reporter(
-                config, (log, tb), display, self.gather, lag=self.metrics_lag, signals=self.signals,
+                config, (log, tb), display, self.gather, lag=self.metrics_lag,
+                interval_s=config.dist.metrics_interval_s, signals=self.signals,
                 checks=self.checks, mesh=self.mesh, lr_schedule=self.lr_schedule,
                 tokens_per_step=config.diloco.num_replicas * t_cfg.batch_size * t_cfg.seq_len,
                 start_time=self._start_time, start_step=start,
@@ -258,7 +259,7 @@ class Trainer:
             values = self._step_values(state, t, metrics, traffic)
             if pending is not None:
                 report.publish(pending)
-                report.flush(keep=self.metrics_lag)
+                report.flush(keep=report.current_lag)
             pending = values
             if boundary:
                 self._sync_boundary(state, t, pending, final)
