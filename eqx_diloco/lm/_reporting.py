@@ -8,10 +8,9 @@ coordinator neither delay every step nor cost a round per step. Where steps are 
 steps travel at a time: no more than one exchange per `--dist.metrics-interval-s`, since an
 exchange costs milliseconds of host time whatever it carries."""
 
-import math
-
 import collections
 import dataclasses
+import math
 import signal
 import time
 from collections.abc import Callable
