@@ -12,11 +12,14 @@ speed hits both). Configs:
 
 Measured: wall time from process start to exit of the whole command (torchft: its
 `run.sh`, which starts a Lighthouse too; eqx_diloco: `python -m eqx_diloco.launch` or
-`.train`), and tokens/s per replica after step 10 (torchft: its `summary.json`, from its
-step times; eqx_diloco: from the metrics' timestamps of steps 10 and 200, which include
-host work between steps). Before the repeats each eqx_diloco config runs once untimed, so every
-timed run finds its programs in the compilation cache (warm; `--no-warm-up` times the first
-repeat as it comes).
+`.train`); time from that start until step 1 is done (torchft: replica 0's first metrics
+line, which it writes and flushes after each step; eqx_diloco: process 0's "first step done"
+phase, when it read step 1's values); and tokens/s per replica after step 10 (torchft: its
+`summary.json`, from its step times; eqx_diloco: from the metrics' timestamps of steps 10
+and 200, which include host work between steps). Before the repeats each eqx_diloco config
+runs once untimed, so every timed run finds its programs in the compilation cache (warm;
+`--no-warm-up` times the first repeat as it comes). `--cold` adds an eqx_diloco run with an
+empty compilation cache after each pair, compared with that pair's torchft run.
 The table gives eqx/torchft ratios, mean +- sd over repeats, and the load average.
 
 torch is never a dependency of this project: install the peer as its README says
@@ -100,13 +103,35 @@ def eqx_step_spread(metrics: Path) -> dict:
             "slowest_other_step_x": max(plain, default=0.0) / median}
 
 
-def timed(cmd: list[str], env: dict, log: Path) -> float:
-    start = time.perf_counter()
+def timed(cmd: list[str], env: dict, log: Path, first_line: Path | None = None) -> tuple[float, float | None]:
+    """Run `cmd` to its end: (wall seconds, seconds until `first_line` held a whole line, or None).
+
+    The wall clock's start is `time.time()` just before the process starts (see `eqx_first_step_s`)."""
+    started, first = time.time(), None
     with log.open("w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        while proc.poll() is None:
+            if first is None and first_line is not None and first_line.exists() and b"\n" in first_line.read_bytes():
+                first = time.time() - started
+            time.sleep(0.005)
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); its output: {log}")
-    return time.perf_counter() - start
+    return time.time() - started, first
+
+
+def eqx_first_step_s(run_dir: Path, started: float) -> float:
+    """Seconds from `started` (the wall clock when the command was started) until process 0 of the run
+    had step 1's values (its phases: `started_unix` plus the "first step done" mark)."""
+    phases = json.loads((run_dir / "phases" / "process-0.json").read_text())
+    done = next(m["s"] for m in phases["marks"] if m["phase"] == "first step done")
+    return phases["started_unix"] + done - started
+
+
+def run_eqx(name: str, corpus: Path, run_dir: Path, env: dict, log: Path) -> dict:
+    """One eqx_diloco run of config `name`: wall seconds, seconds to step 1, and (warm runs) its speed."""
+    started = time.time()
+    wall, _ = timed(eqx_command(name, corpus, run_dir), env, log)
+    return {"wall_s": wall, "start_to_step_1_s": eqx_first_step_s(run_dir, started)}
 
 
 def eqx_command(name: str, corpus: Path, run_dir: Path) -> list[str]:
@@ -116,43 +141,66 @@ def eqx_command(name: str, corpus: Path, run_dir: Path) -> list[str]:
     return [sys.executable, *entry, *EQX_FLAGS, "--data.path", str(corpus), *eqx_flags, "--run-dir", str(run_dir)]
 
 
-def run_pair(name: str, python: str, corpus: Path, work: Path) -> dict:
+def run_pair(name: str, python: str, corpus: Path, work: Path, cold: bool = False) -> dict:
     peer_mode, peer_flags, _, _ = CONFIGS[name]
     out = work / "torchft"
     env = dict(os.environ, PEER_PYTHON=python)
-    torch_wall = timed(["bash", str(PEER / "run.sh"), *peer_mode, "--out", str(out), "--",
-                        *PEER_FLAGS, "--data-path", str(corpus), *peer_flags], env, work / "torchft.log")
+    torch_wall, torch_first = timed(["bash", str(PEER / "run.sh"), *peer_mode, "--out", str(out), "--",
+                                     *PEER_FLAGS, "--data-path", str(corpus), *peer_flags], env, work / "torchft.log",
+                                    first_line=out / "metrics_r0.jsonl")  # replica 0 writes a line per step
     summary = json.loads((out / "summary.json").read_text())
     torch_tps = sum(summary["tokens_per_s_per_replica"]) / len(summary["tokens_per_s_per_replica"])
     run_dir = work / "eqx"
-    eqx_wall = timed(eqx_command(name, corpus, run_dir), dict(os.environ), work / "eqx.log")
-    return {"torchft": {"wall_s": torch_wall, "tokens_per_s_per_replica": torch_tps},
-            "eqx_diloco": {"wall_s": eqx_wall, "tokens_per_s_per_replica": eqx_tokens_per_s(run_dir / "metrics.jsonl"),
+    eqx = run_eqx(name, corpus, run_dir, dict(os.environ), work / "eqx.log")
+    pair = {"torchft": {"wall_s": torch_wall, "start_to_step_1_s": torch_first, "tokens_per_s_per_replica": torch_tps},
+            "eqx_diloco": {**eqx, "tokens_per_s_per_replica": eqx_tokens_per_s(run_dir / "metrics.jsonl"),
                            **eqx_step_spread(run_dir / "metrics.jsonl")},
             "load_average": os.getloadavg()}
+    if cold:  # the same run again with an empty compilation cache: every program compiled
+        cache = work / "empty_cache"
+        cache.mkdir()
+        pair["eqx_diloco_cold"] = run_eqx(name, corpus, work / "eqx_cold", dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)),
+                                          work / "eqx_cold.log")
+    return pair
 
 
 def summarize(pairs: list[dict]) -> dict:
     """eqx/torchft ratios over repeats: wall time (lower is better for eqx) and tokens/s."""
-    wall = [p["eqx_diloco"]["wall_s"] / p["torchft"]["wall_s"] for p in pairs]
-    tps = [p["eqx_diloco"]["tokens_per_s_per_replica"] / p["torchft"]["tokens_per_s_per_replica"] for p in pairs]
+    def ratios(eqx: str, key: str) -> dict | None:
+        values = [p[eqx][key] / p["torchft"][key] for p in pairs if eqx in p and p["torchft"].get(key)]
+        return common.mean_sd(values) if values else None
+
     spread = {k: max(p["eqx_diloco"].get(k, 0.0) for p in pairs) for k in ("slowest_sync_step_x", "slowest_other_step_x")}
-    return {"wall_ratio": common.mean_sd(wall), "tokens_per_s_ratio": common.mean_sd(tps), **spread, "repeats": pairs}
+    return {"wall_ratio": ratios("eqx_diloco", "wall_s"), "tokens_per_s_ratio": ratios("eqx_diloco", "tokens_per_s_per_replica"),
+            "start_to_step_1_ratio": ratios("eqx_diloco", "start_to_step_1_s"),
+            "cold_wall_ratio": ratios("eqx_diloco_cold", "wall_s"),
+            "cold_start_to_step_1_ratio": ratios("eqx_diloco_cold", "start_to_step_1_s"), **spread, "repeats": pairs}
 
 
 def render(results: dict[str, dict]) -> str:
-    def pm(stat: dict) -> str:
+    def pm(stat: dict | None) -> str:
+        if stat is None:
+            return "-"
         return f"{stat['mean']:.2f} +- {stat['sd']:.2f}" if stat["sd"] is not None else f"{stat['mean']:.2f}"
 
-    rows = [{"config": name, "torch_wall": [p["torchft"]["wall_s"] for p in r["repeats"]],
-             "eqx_wall": [p["eqx_diloco"]["wall_s"] for p in r["repeats"]], "wall": r["wall_ratio"],
+    def seconds(system: str, key: str, repeats: list[dict]) -> str:
+        values = [p[system][key] for p in repeats if system in p and p[system].get(key) is not None]
+        return ", ".join(f"{x:.1f}" for x in values) or "-"
+
+    rows = [{"config": name, "torch_wall": seconds("torchft", "wall_s", r["repeats"]),
+             "eqx_wall": seconds("eqx_diloco", "wall_s", r["repeats"]), "wall": r["wall_ratio"],
+             "torch_first": seconds("torchft", "start_to_step_1_s", r["repeats"]),
+             "eqx_first": seconds("eqx_diloco", "start_to_step_1_s", r["repeats"]), "first": r["start_to_step_1_ratio"],
+             "cold": (r["cold_wall_ratio"], r["cold_start_to_step_1_ratio"]),
              "tps": r["tokens_per_s_ratio"], "load": [p["load_average"][0] for p in r["repeats"]],
              "spread": (r.get("slowest_sync_step_x", 0.0), r.get("slowest_other_step_x", 0.0))}
             for name, r in results.items()]
-    seconds = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
     return common.markdown_table(rows, [
-        ("config", "config", None), ("torchft wall s", "torch_wall", seconds), ("eqx wall s", "eqx_wall", seconds),
-        ("wall eqx/torchft", "wall", pm), ("tokens/s per replica eqx/torchft", "tps", pm),
+        ("config", "config", None), ("torchft wall s", "torch_wall", None), ("eqx wall s", "eqx_wall", None),
+        ("wall eqx/torchft", "wall", pm), ("torchft start to step 1 s", "torch_first", None),
+        ("eqx start to step 1 s", "eqx_first", None), ("start to step 1 eqx/torchft", "first", pm),
+        ("cold eqx/torchft: wall; start to step 1", "cold", lambda v: f"{pm(v[0])}; {pm(v[1])}"),
+        ("tokens/s per replica eqx/torchft", "tps", pm),
         ("eqx slowest step / median: sync, other", "spread", lambda v: f"{v[0]:.1f}x, {v[1]:.1f}x"),
         ("load average (1 min)", "load", lambda v: ", ".join(f"{x:.2f}" for x in v)),
     ])
@@ -165,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--cold", action="store_true",
+                        help="after each pair, run eqx_diloco once more with an empty compilation cache (cold)")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="do not run each eqx_diloco config once untimed first (the first repeat may compile)")
     args = parser.parse_args(argv)
@@ -189,14 +239,14 @@ def main(argv=None) -> int:
             for name in args.only:
                 work = Path(tmp) / f"{name}_{repeat}"
                 work.mkdir()
-                pair = run_pair(name, args.torch_python, corpus, work)
+                pair = run_pair(name, args.torch_python, corpus, work, cold=args.cold)
                 results[name].append(pair)
                 print(f"repeat {repeat + 1}/{args.repeats} {name:<9} torchft {pair['torchft']['wall_s']:.1f} s, "
                       f"eqx_diloco {pair['eqx_diloco']['wall_s']:.1f} s", flush=True)
     summary = {name: summarize(pairs) for name, pairs in results.items()}
     if args.json:
         common.write_json(args.json, {"revision": common.revision(), "steps": STEPS, "timed_after_step": SKIP,
-                                      "warm_up": args.warm_up, "configs": summary})
+                                      "warm_up": args.warm_up, "cold": args.cold, "configs": summary})
     print(render(summary))
     return 0
 

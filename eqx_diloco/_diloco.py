@@ -31,6 +31,7 @@ from ._persistence import Persistence
 from ._programs import FIELDS as PROGRAM_FIELDS
 from ._programs import Programs, build_programs, is_trainable, signature
 from ._results import Results
+from ._run_once import run_once_options
 from ._traffic import Traffic
 from ._state import TrainState, build_state
 from ._step import LossFn
@@ -282,9 +283,9 @@ class DiLoCo(Results, Persistence, Traffic):
         """
         params = self._bind(model)
         key = jax.random.key(0) if key is None else key
-        build = jax.jit(lambda p, k: build_state(p, **self.build_kwargs, key=k), out_shardings=self.shardings)
-        # Fresh buffers: jit may hand an input straight back as theta_g, and the first step
-        # donates the state, which would delete the caller's model arrays with it.
+        build = jax.jit(lambda p, k: build_state(p, **self.build_kwargs, key=k), out_shardings=self.shardings,
+                        compiler_options=run_once_options(sum(x.size for x in jax.tree.leaves(params))))
+        # Fresh buffers: jit may return an input as theta_g, and the first step donates (deletes) the state.
         state = build(jax.tree.map(jnp.copy, params), key)
         self._drop_in_flight()
         self._unchecked.clear()
@@ -297,10 +298,8 @@ class DiLoCo(Results, Persistence, Traffic):
         """(fragment whose sync starts after step t, fragment merged after step t)."""
         if not self.is_diloco:
             return None, None
-        return (
-            schedule.synced_fragment(t, self.sync_period, self.num_fragments),
-            schedule.applied_fragment(t, self.sync_period, self.num_fragments, self.overlap_steps),
-        )
+        return (schedule.synced_fragment(t, self.sync_period, self.num_fragments),
+                schedule.applied_fragment(t, self.sync_period, self.num_fragments, self.overlap_steps))
 
     def router_due(self, t: int) -> bool:
         """Whether the router group takes its own outer step after step t."""

@@ -21,7 +21,7 @@ anyone who can reach the coordinator's port could otherwise run code in every pr
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -41,6 +41,13 @@ def _local_rows(x: jax.Array) -> dict[int, np.ndarray]:
         for i, row in enumerate(np.asarray(shard.data)):
             rows[start + i] = row
     return rows
+
+
+class LocalRows(NamedTuple):
+    """The rows of an array with a leading replica axis that this process holds, already on the host."""
+
+    rows: dict[int, np.ndarray]  # row index -> row
+    num_rows: int  # the array's leading size
 
 
 def _kv_client():
@@ -73,6 +80,17 @@ class ReplicaGather:
         """Gather now (after every earlier `submit`)."""
         return self.submit(arrays).result()
 
+    def read(self, arrays: dict[str, jax.Array]) -> dict[str, Any]:
+        """This process's rows of `arrays`, read to the host now (waiting for them), to `submit` later.
+
+        Read step by step, the host work is spread over the steps instead of falling on the one that
+        submits a batch of them. Where the exchange is not through the key-value store (one process,
+        or the device-collective fallback), `arrays` come back as they are."""
+        if jax.process_count() == 1 or _kv_client() is None:
+            return arrays
+        return {name: x if isinstance(x, LocalRows) else LocalRows(_local_rows(x), x.shape[0])
+                for name, x in arrays.items()}
+
     def submit(self, arrays: dict[str, jax.Array],
                per_process: dict[str, float] | None = None) -> "Future[dict[str, np.ndarray]]":
         """Start a gather; the future holds what `__call__` returns.
@@ -83,7 +101,8 @@ class ReplicaGather:
 
         **Arguments:**
 
-        - `arrays`: per name, an array whose leading axis is the replicas (each process holds some rows).
+        - `arrays`: per name, an array whose leading axis is the replicas (each process holds some rows),
+          or what `read` returned for it.
         - `per_process`: per name, one host number of this process's own; gathered as a float64
           array with one entry per process, in process order. Names must not clash with `arrays`.
         """
@@ -102,8 +121,9 @@ class ReplicaGather:
             done.set_result({k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
                              for k, v in {**arrays, **mine}.items()})
             return done
-        rows = {name: _local_rows(x) for name, x in arrays.items()}
-        num_rows = {name: x.shape[0] for name, x in arrays.items()}
+        arrays = self.read(arrays)
+        rows = {name: dict(x.rows) for name, x in arrays.items()}  # filled in with the others' rows
+        num_rows = {name: x.num_rows for name, x in arrays.items()}
         for name, value in mine.items():  # one "row" per process, indexed by the process
             rows[name], num_rows[name] = {jax.process_index(): value}, jax.process_count()
         if self._jobs is None:

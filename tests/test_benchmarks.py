@@ -243,13 +243,24 @@ def test_vs_torchft_says_when_torchft_is_missing_and_computes_its_ratios(tmp_pat
     records = [{"step": s, "loss": 1.0, "time": 0.5 * s} for s in range(1, 201)] + [{"step": 200, "eval_loss": 1.0}]
     metrics.write_text("\n".join(json.dumps(r) for r in records))
     assert vs_torchft.eqx_tokens_per_s(metrics) == pytest.approx(190 * 256 / 95.0)
-    pairs = [{"torchft": {"wall_s": 5.0, "tokens_per_s_per_replica": 100.0},
-              "eqx_diloco": {"wall_s": w, "tokens_per_s_per_replica": t}, "load_average": (0.5, 0.5, 0.5)}
+    pairs = [{"torchft": {"wall_s": 5.0, "start_to_step_1_s": 4.0, "tokens_per_s_per_replica": 100.0},
+              "eqx_diloco": {"wall_s": w, "start_to_step_1_s": 2.0, "tokens_per_s_per_replica": t},
+              "eqx_diloco_cold": {"wall_s": 2 * w, "start_to_step_1_s": 6.0}, "load_average": (0.5, 0.5, 0.5)}
              for w, t in ((10.0, 50.0), (5.0, 150.0))]
     out = vs_torchft.summarize(pairs)
     assert out["wall_ratio"]["values"] == [2.0, 1.0] and out["tokens_per_s_ratio"]["values"] == [0.5, 1.5]
-    assert "| diloco | 5.0, 5.0 | 10.0, 5.0 | 1.50 +- 0.71 | 1.00 +- 0.71 | 0.0x, 0.0x | 0.50, 0.50 |" in \
-        vs_torchft.render({"diloco": out})
+    assert out["start_to_step_1_ratio"]["values"] == [0.5, 0.5] and out["cold_wall_ratio"]["values"] == [4.0, 2.0]
+    assert ("| diloco | 5.0, 5.0 | 10.0, 5.0 | 1.50 +- 0.71 | 4.0, 4.0 | 2.0, 2.0 | 0.50 +- 0.00 | 3.00 +- 1.41; "
+            "1.50 +- 0.00 | 1.00 +- 0.71 | 0.0x, 0.0x | 0.50, 0.50 |") in vs_torchft.render({"diloco": out})
+    del pairs[0]["eqx_diloco_cold"], pairs[1]["eqx_diloco_cold"]  # without --cold: no cold ratios, a dash
+    assert vs_torchft.summarize(pairs)["cold_wall_ratio"] is None
+    assert "| 0.50 +- 0.00 | -; - |" in vs_torchft.render({"diloco": vs_torchft.summarize(pairs)})
+    # Seconds to step 1 of eqx_diloco: process 0's start on the wall clock plus its "first step done" mark.
+    (tmp_path / "run" / "phases").mkdir(parents=True)
+    (tmp_path / "run" / "phases" / "process-0.json").write_text(json.dumps(
+        {"since_process_start": True, "started_unix": 100.5,
+         "marks": [{"phase": "first step compiled and dispatched", "s": 2.0}, {"phase": "first step done", "s": 2.25}]}))
+    assert vs_torchft.eqx_first_step_s(tmp_path / "run", started=100.0) == pytest.approx(2.75)
     # The slowest steps, as multiples of the median step: one sync step of 2 s, one other step of 1.5 s.
     records = [{"step": s, "loss": 1.0, "time": 0.5 * s + (1.5 if s >= 50 else 0) + (1.0 if s >= 100 else 0),
                 "synced_fragment": 0 if s == 100 else None} for s in range(1, 201)]

@@ -197,6 +197,17 @@ def test_per_process_values_travel_with_the_last_dict_of_a_batch(two_processes):
         gather.submit({"loss": jnp.array([1.0, 0.0], jnp.float32)}, per_process={"loss": 1.0})
 
 
+def test_rows_read_step_by_step_gather_as_the_arrays_would(two_processes):
+    gather = ReplicaGather(timeout_s=30)
+    read = gather.read({"loss": jnp.array([1.5, 0.0], jnp.float32)})
+    assert isinstance(read["loss"], replica_values.LocalRows) and read["loss"].num_rows == 2
+    assert gather.read(read) == read  # reading what was read changes nothing
+    future = gather.submit(read)
+    two_processes.release(0, {"loss": {1: np.float32(3.0)}})
+    np.testing.assert_array_equal(future.result(timeout=10)["loss"], [1.5, 3.0])
+    assert read["loss"].rows.keys() == {0}  # the exchange filled a copy, not what was read
+
+
 def test_a_peer_without_its_per_process_value_is_refused(two_processes):
     future = ReplicaGather(timeout_s=30).submit({"loss": jnp.array([1.0, 0.0], jnp.float32)},
                                                 per_process={"seconds_per_step": 0.1})

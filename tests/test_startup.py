@@ -12,6 +12,7 @@ import time
 
 import equinox as eqx
 import jax
+import numpy as np
 import pytest
 
 from eqx_diloco.lm._banner import describe_setup, finished_message, format_summary, model_size
@@ -125,10 +126,12 @@ def test_cli_prints_the_banner_first_and_writes_its_phases(tmp_path, capsys):
     assert out[0].startswith("eqx_diloco: DiLoCo, R=2 replicas, H=2")
     assert any(line.startswith("  compilation  cached in ") for line in out[:10])
     # Where the time went (this test's process started long before: only the order is checked).
-    marks = json.loads((tmp_path / "r" / "phases" / "process-0.json").read_text())["marks"]
-    names = [m["phase"] for m in marks]
+    record = json.loads((tmp_path / "r" / "phases" / "process-0.json").read_text())
+    marks, names = record["marks"], [m["phase"] for m in record["marks"]]
     assert names[0] == "python and the flag parser imported" and names[-1] == "checkpoint written, logs closed"
     assert "first sync dispatched" in names and "first step compiled and dispatched" in names
+    assert names.index("first step done") > names.index("first step compiled and dispatched")
+    assert record["started_unix"] + marks[-1]["s"] <= time.time()  # the process's start on the wall clock
     assert [m["s"] for m in marks] == sorted(m["s"] for m in marks)
 
 
@@ -299,3 +302,25 @@ def test_a_process_waits_for_its_coordinator_to_listen_before_joining():
     finally:
         server.close()
     assert not wait_until_reachable(address, timeout_s=0.2)  # nobody listens any more: gives up, returns False
+
+
+
+def test_small_models_build_their_state_with_unoptimised_programs_on_cpu(monkeypatch):
+    """The programs that run once (the model's and the state's initialisation) compile at LLVM level 0 on CPU
+    for small models, less than half the compile of a cold start; large models and accelerators keep XLA's
+    defaults. The model built that way matches the optimised build to float32 rounding."""
+    from eqx_diloco._run_once import SMALL_MODEL_PARAMS, run_once_options
+    from eqx_diloco.lm import _core
+
+    assert run_once_options(1000, backend="cpu") == {"xla_backend_optimization_level": 0}
+    assert run_once_options(SMALL_MODEL_PARAMS + 1, backend="cpu") is None
+    assert run_once_options(1000, backend="gpu") is None and run_once_options(1000, backend="tpu") is None
+    config = TransformerConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2)
+    asked = []
+    monkeypatch.setattr(_core, "run_once_options", lambda n, **kw: asked.append(n) or run_once_options(n, **kw))
+    key = jax.random.key(3)
+    fast, optimised = _core.new_model(config, key), _core._model_builder(False)(config, key)
+    assert asked[0] == config.num_params()
+    for a, b in zip(jax.tree.leaves(eqx.filter(fast, eqx.is_array)), jax.tree.leaves(eqx.filter(optimised, eqx.is_array))):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)

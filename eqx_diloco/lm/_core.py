@@ -2,6 +2,7 @@
 objective, the evaluation loss, placing host batches on the mesh, and counting the syncs' bytes."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -12,6 +13,7 @@ from models import Transformer, TransformerConfig
 from models.transformer import lm_loss
 
 from .._diloco import DiLoCo
+from .._run_once import run_once_options
 from .._sharding import fsdp_specs
 from .._state import TrainState
 from ._devices import make_meshes
@@ -19,11 +21,17 @@ from .config import Config, ConfigError, error_feedback_argument, flag_names
 from .optimizers import inner_optimizer, outer_optimizer
 
 
-@eqx.filter_jit
 def new_model(config: TransformerConfig, key) -> Transformer:
     """A freshly initialised model, built by one compiled program: built eagerly, each of its
-    initialisers' operations is a program of its own, dozens to compile on a cold start."""
-    return Transformer(config, key=key)
+    initialisers' operations is a program of its own, dozens to compile on a cold start. It runs
+    once, so a small model's is compiled unoptimised on CPU (`run_once_options`)."""
+    return _model_builder(run_once_options(config.num_params()) is not None)(config, key)
+
+
+@functools.cache
+def _model_builder(unoptimised: bool):
+    options = run_once_options(0, backend="cpu") if unoptimised else None
+    return eqx.filter_jit(lambda config, key: Transformer(config, key=key), compiler_options=options)
 
 
 def global_model(state: TrainState) -> Transformer:

@@ -29,6 +29,7 @@ class Phases:
         age = _process_age_s()
         self.since_process_start = age is not None
         self._origin = time.perf_counter() - (age or 0.0)
+        self.started_unix = time.time() - (age or 0.0)  # the same origin on the wall clock, for other programs
         self.marks: list[tuple[str, float]] = []
 
     def clear(self) -> None:
@@ -45,8 +46,8 @@ class Phases:
         try:
             folder = Path(run_dir) / "phases"
             folder.mkdir(parents=True, exist_ok=True)
-            record = {"since_process_start": self.since_process_start, "marks": [
-                {"phase": name, "s": s} for name, s in self.marks]}
+            record = {"since_process_start": self.since_process_start, "started_unix": round(self.started_unix, 4),
+                      "marks": [{"phase": name, "s": s} for name, s in self.marks]}
             (folder / f"process-{process}.json").write_text(json.dumps(record, indent=1) + "\n")
         except OSError:
             pass

@@ -27,6 +27,7 @@ from models.moe import usage_entropy
 from .._errors import NonFiniteError
 from .._replica_values import ReplicaGather, replicated_value
 from ._finite import FiniteChecks
+from ._phases import mark
 from ._signals import StopSignals
 from .config import Config
 from .elastic import write_progress
@@ -132,6 +133,9 @@ class Reporter:
         if global_finite is not None and global_finite.ndim == 1:  # one flag per replica row
             arrays["global_finite"] = global_finite
         jax.block_until_ready(arrays)  # step t is done here: its time is now, not when its exchange ends
+        arrays = self.gather.read(arrays)
+        if pending["step"] == self.start_step + 1:
+            mark("first step done")
         self._unsent.append((dict(pending, read_at=time.perf_counter()), arrays))
         if len(self._unsent) >= max(1, self.current_lag):
             self._send()

@@ -204,11 +204,10 @@ class Trainer:
         try:
             tb = TensorBoardLog(config.run_dir, resume_step=start, enabled=self.is_main)
             self._reporter = Reporter(
-                config, (log, tb), display, self.gather, lag=self.metrics_lag,
-                interval_s=config.dist.metrics_interval_s, signals=self.signals,
+                config, (log, tb), display, self.gather, lag=self.metrics_lag, signals=self.signals,
                 checks=self.checks, mesh=self.mesh, lr_schedule=self.lr_schedule,
                 tokens_per_step=config.diloco.num_replicas * t_cfg.batch_size * t_cfg.seq_len,
-                start_time=self._start_time, start_step=start,
+                start_time=self._start_time, start_step=start, interval_s=config.dist.metrics_interval_s,
                 progress_dir=self.snapshots.directory if self.elastic else None, elastic_events=self.elastic_events)
             with self.signals.installed():
                 summary = self._loop(state, start)
