@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from ._checksums import checksums
 from ._errors import ConfigError
@@ -51,6 +50,14 @@ class CheckpointSaveError(RuntimeError):
     turns it into this error. Orbax's background threads of a failed save may never finish,
     so a command-line program should leave with `os._exit` after this error (`train.py` does).
     """
+
+
+def _orbax():
+    """`orbax.checkpoint`, imported at its first use: importing it costs a fifth of a second of every
+    start, and a fresh run that saves no checkpoint never needs it."""
+    import orbax.checkpoint as ocp
+
+    return ocp
 
 
 def leaf_paths(tree: PyTree) -> list[str]:
@@ -96,8 +103,9 @@ class Checkpointer:
         self._unconfirmed: int | None = None  # the step of a save not known to have finished
 
     @property
-    def manager(self) -> ocp.CheckpointManager:
+    def manager(self) -> "orbax.checkpoint.CheckpointManager":  # noqa: F821 (imported lazily)
         if self._manager is None:
+            ocp = _orbax()
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=None if self.read_only else self.keep,
                 save_interval_steps=0 if self.read_only else 1,
@@ -117,8 +125,8 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, newest first."""
-        if not self.directory.is_dir():
-            return []
+        if not self.directory.is_dir() or not any(entry.name.isdigit() for entry in self.directory.iterdir()):
+            return []  # no step folder: nothing for orbax to find (and no need to import it)
         self.manager.reload()  # another process (or a kill) may have changed the folder
         return sorted(self.manager.all_steps(), reverse=True)
 
@@ -141,6 +149,7 @@ class Checkpointer:
         """
         if self.every <= 0 or self.read_only:
             return
+        ocp = _orbax()
         leaves = jax.tree.leaves(state)
         meta = {
             "format": FORMAT,
@@ -168,6 +177,7 @@ class Checkpointer:
 
     def read_json(self, step: int) -> tuple[dict, dict]:
         """(config, meta) JSON items of checkpoint `step`."""
+        ocp = _orbax()
         items = self.manager.restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         )
@@ -177,6 +187,7 @@ class Checkpointer:
         return config, meta
 
     def _restore_step(self, step: int, abstract_state: PyTree, shardings: PyTree, meta: dict) -> PyTree:
+        ocp = _orbax()
         leaves, treedef = jax.tree.flatten(abstract_state)
         layout = _layout(leaves)
         if meta["layout"] != layout:
@@ -271,6 +282,7 @@ class Checkpointer:
         checkpoint whose leaves restore and match their checksums (or `step`).
         Returns (step, saved config JSON, prefix, {path: array}).
         """
+        ocp = _orbax()
         steps = self._candidates(step)
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")

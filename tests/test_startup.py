@@ -185,6 +185,10 @@ def test_cache_is_written_to_the_per_user_folder_and_read_back(tmp_path):
     second = _fresh_python(code, {"XDG_CACHE_HOME": str(tmp_path)})
     assert second.returncode == 0, second.stderr
     assert int(second.stdout.splitlines()[1].split()[1]) >= 1, second.stdout
+    # A folder of the user's own (JAX's variable) caches small programs too (JAX's default minimum is 1 s).
+    own = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "own")}
+    assert _fresh_python(code, own).stdout.splitlines()[1] == "hits 0"
+    assert int(_fresh_python(code, own).stdout.splitlines()[1].split()[1]) >= 1
     off = _fresh_python(code.replace("Config()", "Config(compile_cache=False)"), {"XDG_CACHE_HOME": str(tmp_path / "off")})
     assert off.returncode == 0 and off.stdout.splitlines()[0] == "None"
     assert not (tmp_path / "off").exists()
@@ -324,3 +328,21 @@ def test_small_models_build_their_state_with_unoptimised_programs_on_cpu(monkeyp
     for a, b in zip(jax.tree.leaves(eqx.filter(fast, eqx.is_array)), jax.tree.leaves(eqx.filter(optimised, eqx.is_array))):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_a_run_without_checkpoints_never_imports_orbax(tmp_path):
+    """orbax costs a fifth of a second to import: a fresh run looks for checkpoints without it (an empty or
+    missing folder), and imports it at its first save or restore."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "3.corrupt").mkdir()  # moved aside: not a checkpoint
+    code = f"""
+        import sys
+        import eqx_diloco.lm.trainer
+        from eqx_diloco._checkpoint import Checkpointer
+        for folder in ("missing", "empty"):
+            assert Checkpointer({str(tmp_path)!r} + "/" + folder, every=10, keep=1).steps() == []
+        print("orbax.checkpoint" in sys.modules)
+    """
+    out = _fresh_python(code, {})
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr[-2000:]

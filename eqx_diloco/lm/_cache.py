@@ -49,9 +49,10 @@ def enable_compilation_cache(config) -> Path | None:
         print(f"warning: compilation cache off: cannot create {folder}: {e.strerror}", file=sys.stderr)
         return None
     jax.config.update("jax_compilation_cache_dir", str(folder))
-    if not configured:
-        # Cache every program, not only those over JAX's default 1 s of compile time: start-up
-        # compiles many small programs (placement, evaluation, the outer syncs) whose sum counts.
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        # Cache every program, not only those over JAX's default 1 s of compile time (unless the user
+        # chose a minimum): start-up compiles many small programs (placement, the initialisation,
+        # evaluation, the outer syncs) whose sum counts.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
         let_every_process_write()
