@@ -132,7 +132,7 @@ def _main(config: Config, process: _Process) -> int:
         logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
         sys.unraisablehook = _quiet_closed_event_loops()
         trainer = None
-        mark("trainer imported (equinox, optax, orbax)")
+        mark("trainer imported (equinox, optax)")
         try:
             trainer = Trainer(config)
             mark("data loaded, mesh and programs planned")
