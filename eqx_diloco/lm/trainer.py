@@ -238,7 +238,7 @@ class Trainer:
         self._eval_loss: float | None = None
         compile_start = time.perf_counter()
         state = self._compile(state, start)
-        mark("first evaluation")
+        mark("sync programs compiled, step 0 evaluated")
         report.restart_clock()
         pending = None  # step t's device-side values, published after step t+1 is dispatched
         for step in range(start, T):
