@@ -64,8 +64,10 @@ def display_command(cmd: Sequence[str], work: pathlib.Path) -> str:
     return text.replace(str(work), "<work>")
 
 
-def child_env(cache: pathlib.Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def child_env(cache: pathlib.Path, keep_xla_flags: bool = False) -> dict[str, str]:
+    """The islands' environment: this one's, without `XLA_FLAGS` (unless `keep_xla_flags`), with the
+    compilation cache in `cache` unless one is set already."""
+    env = {k: v for k, v in os.environ.items() if keep_xla_flags or k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))  # a test session's cache is kept
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
