@@ -1,11 +1,11 @@
 """Compiler options for the programs that run once per run: building the model and the state.
 
 On a CPU, XLA's LLVM back end at its default optimisation level spends seconds on each
-program; a small model's initialisation compiles in less than half the time at level 0 and
-then runs in milliseconds all the same (measured: 2 x 64 model, one core, 2.65 s -> 1.13 s to
-compile, 1.3 -> 10 ms to run). That is a cold start's time, every process of it. A large
-model's initialisation runs long enough for the optimised code to pay, and accelerators
-compile these programs quickly, so they keep the defaults.
+program; a small model's initialisation compiles in about half the time at level 0 and then
+runs in milliseconds all the same (the "state built or restored" phase of a cold 2-process
+run in benchmarks/results/startup_breakdown.md: 3.1 s before, 1.6 s since). That is a cold
+start's time, in every process. A large model's initialisation runs long enough for the
+optimised code to pay, and accelerators compile these programs quickly: they keep XLA's defaults.
 """
 
 from typing import Any
