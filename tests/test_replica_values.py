@@ -208,6 +208,22 @@ def test_rows_read_step_by_step_gather_as_the_arrays_would(two_processes):
     assert read["loss"].rows.keys() == {0}  # the exchange filled a copy, not what was read
 
 
+def test_rows_read_step_by_step_travel_as_one_array_per_name(two_processes):
+    gather = ReplicaGather(timeout_s=30)
+    steps = [gather.read({"loss": jnp.array([1.5 + t, 0.0], jnp.float32)}) for t in range(3)]
+    steps.append(gather.read({"loss": jnp.array([9.0, 0.0], jnp.float32), "finite": jnp.array([True, False])}))
+    futures = gather.submit_many(steps)
+    # The peer's rows, packed as this process packs its own: the three steps with only a loss, stacked, then
+    # the step that also has a finite flag.
+    two_processes.release(0, {"0/loss": {1: np.array([3.0, 4.0, 5.0], np.float32)},
+                              "1/loss": {1: np.array([6.0], np.float32)}, "1/finite": {1: np.array([True])}})
+    got = [f.result(timeout=10) for f in futures]
+    assert [g["loss"].tolist() for g in got] == [[1.5, 3.0], [2.5, 4.0], [3.5, 5.0], [9.0, 6.0]]
+    assert set(got[0]) == {"loss"} and got[3]["finite"].tolist() == [True, True]
+    payload = decode(two_processes.store["eqx_diloco/replica_values/0/0"], source="this process")
+    assert sorted(payload) == ["0/loss", "1/finite", "1/loss"]  # one array per name and kind of step
+
+
 def test_a_peer_without_its_per_process_value_is_refused(two_processes):
     future = ReplicaGather(timeout_s=30).submit({"loss": jnp.array([1.0, 0.0], jnp.float32)},
                                                 per_process={"seconds_per_step": 0.1})
