@@ -25,13 +25,14 @@ def new_model(config: TransformerConfig, key) -> Transformer:
     """A freshly initialised model, built by one compiled program: built eagerly, each of its
     initialisers' operations is a program of its own, dozens to compile on a cold start. It runs
     once, so a small model's is compiled unoptimised on CPU (`run_once_options`)."""
-    return _model_builder(run_once_options(config.num_params()) is not None)(config, key)
+    options = run_once_options(config.num_params())
+    return _model_builder(tuple(sorted((options or {}).items())))(config, key)
 
 
 @functools.cache
-def _model_builder(unoptimised: bool):
-    options = run_once_options(0, backend="cpu") if unoptimised else None
-    return eqx.filter_jit(lambda config, key: Transformer(config, key=key), compiler_options=options)
+def _model_builder(options: tuple):
+    """The compiled builder for one set of compiler options (as sorted items, to be a cache key)."""
+    return eqx.filter_jit(lambda config, key: Transformer(config, key=key), compiler_options=dict(options) or None)
 
 
 def global_model(state: TrainState) -> Transformer:
