@@ -6,6 +6,12 @@ from typing import Literal
 Dtype = Literal["auto", "float32", "bfloat16"]
 AttentionImpl = Literal["auto", "xla", "cudnn"]
 Remat = Literal["none", "block", "dots"]
+ScanUnroll = int | Literal["auto"]
+
+# `scan_unroll="auto"` unrolls stacks up to this depth: on CPU an unrolled stack of 2 to 12 layers
+# steps 1.2-1.6x faster than the rolled scan and compiles within ~1.3x of its time; deeper
+# stacks keep the rolled scan, whose compile time is flat in depth (benchmarks/scan_unroll.py).
+AUTO_UNROLL_MAX_LAYERS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +46,8 @@ class TransformerConfig:
     """compute dtype of matmuls and activations: `bfloat16` or `float32`; `auto` = bfloat16 on GPU and TPU, float32 on CPU. Parameters (so optimizer state and DiLoCo's outer state) stay float32 and are cast at use; norm statistics, softmax, the logits' log-softmax and the loss run in float32."""
     attention: AttentionImpl = "auto"
     """attention kernel, `jax.nn.dot_product_attention(..., is_causal=True)`: `xla` (any backend), `cudnn` (cuDNN flash attention: NVIDIA GPUs with a bfloat16 compute dtype and a head dim <= 128 and a multiple of 8) or `auto` (cudnn where it can run, xla elsewhere)."""
-    scan_unroll: int = 1
-    """layers applied per iteration of the `jax.lax.scan` over the stacked blocks (0 = all layers: fully unrolled); the stack stays stored stacked either way. 1 keeps compile time flat in depth, the choice on CPU. On a GPU try 0: on one H200, a plain bf16 + cuDNN JAX loop of this shape ran a fully unrolled scan at 1.37x the tokens/s of the rolled one at 12 layers x 768 (550,836 against 400,004) and 1.17x at 24 x 2048 (60,746 against 52,073); unroll 4 gave nothing."""
+    scan_unroll: ScanUnroll = "auto"
+    """layers applied per iteration of the `jax.lax.scan` over the stacked blocks: an int >= 1, 0 = all layers (fully unrolled), or `auto` = all layers for stacks of up to 16 layers, 1 above (see `layers_per_iteration`). The stack stays stored stacked either way. Unrolled, XLA schedules and fuses across layers and drops the loop's per-layer slicing and copies: faster steps on CPU and GPU; a rolled scan (1) keeps compile time flat in depth."""
     remat: Remat = "none"
     """rematerialisation of each block in the backward pass (`jax.checkpoint` around the scanned block): `none` saves every activation (fastest; fine while activations fit), `block` saves only each block's input and recomputes the rest (least memory, about one more forward pass of compute), `dots` saves the matmul outputs and recomputes the elementwise work in between."""
 
@@ -57,6 +63,14 @@ class TransformerConfig:
         if self.dtype == "auto":
             return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
         return jnp.dtype(self.dtype)
+
+    def layers_per_iteration(self) -> int:
+        """The resolved `scan_unroll`: how many layers one iteration of the scan applies (1 to
+        `num_layers`; `num_layers` is fully unrolled)."""
+        unroll = self.scan_unroll
+        if unroll == "auto":
+            unroll = 0 if self.num_layers <= AUTO_UNROLL_MAX_LAYERS else 1
+        return self.num_layers if unroll == 0 else min(unroll, self.num_layers)
 
     def attention_impl(self) -> Literal["xla", "cudnn"]:
         """The resolved attention kernel; `cudnn` asked for where it cannot run raises `ValueError`

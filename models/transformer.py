@@ -231,8 +231,8 @@ class Transformer(eqx.Module):
             block = eqx.combine(block_params, static)
             return block(x, cos, sin, key=layer_key, attention=attention)
 
-        unroll = config.num_layers if config.scan_unroll == 0 else config.scan_unroll
-        x, aux = jax.lax.scan(_checkpointed(layer, config.remat), x, (params, layer_keys), unroll=unroll)
+        x, aux = jax.lax.scan(_checkpointed(layer, config.remat), x, (params, layer_keys),
+                              unroll=config.layers_per_iteration())
         x = self.final_norm(x)
         head = self.embed.T if self.head is None else self.head
         # Logits in the compute dtype (their gradient matmuls too), cast up to float32 for the log-softmax.

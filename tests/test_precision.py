@@ -85,9 +85,9 @@ def test_remat_none_block_dots_give_the_same_loss_and_gradients(kind):
 
 
 @pytest.mark.slow
-def test_scan_unroll_1_0_2_give_the_same_loss_and_gradients():
+def test_scan_unroll_1_0_2_3_auto_give_the_same_loss_and_gradients():
     ref_loss, ref_grads = loss_and_grads(with_(SMALL, scan_unroll=1), TOKENS)
-    for unroll in (0, 2, 3):  # 3 does not divide 4 layers
+    for unroll in (0, 2, 3, "auto"):  # 3 does not divide 4 layers
         loss, grads = loss_and_grads(with_(SMALL, scan_unroll=unroll), TOKENS)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=1e-6)
         assert_trees_close(grads, ref_grads, 1e-6)
@@ -96,7 +96,7 @@ def test_scan_unroll_1_0_2_give_the_same_loss_and_gradients():
 def test_auto_resolves_to_float32_and_xla_on_cpu_and_cudnn_is_refused_there():
     assert jax.default_backend() == "cpu"
     config = TransformerConfig()
-    assert (config.dtype, config.attention, config.scan_unroll, config.remat) == ("auto", "auto", 1, "none")
+    assert (config.dtype, config.attention, config.scan_unroll, config.remat) == ("auto", "auto", "auto", "none")
     assert config.compute_dtype() == jnp.float32 and config.attention_impl() == "xla"
     assert with_(config, dtype="bfloat16").compute_dtype() == jnp.bfloat16
     with pytest.raises(ValueError, match="NVIDIA GPU"):
@@ -210,8 +210,21 @@ def test_cli_refuses_cudnn_where_it_cannot_run_with_one_line_naming_the_flag():
         check_backend(config(attention="cudnn", dtype="auto"), "cpu", nvidia_gpu=True)
     with pytest.raises(ConfigError, match=r"^--model\.attention cudnn needs an NVIDIA GPU"):
         make_meshes(config(attention="cudnn"))  # where the trainer meets the backend, before any state
-    with pytest.raises(ConfigError, match=r"^--model\.scan-unroll must be >= 0"):
-        validate(config(scan_unroll=-1))
+    for bad in (-1, True, "all"):
+        with pytest.raises(ConfigError, match=r"^--model\.scan-unroll must be auto or an int >= 0"):
+            validate(config(scan_unroll=bad))
+
+
+def test_scan_unroll_auto_unrolls_stacks_up_to_16_layers_and_keeps_deeper_ones_rolled():
+    from models._config import AUTO_UNROLL_MAX_LAYERS
+
+    assert AUTO_UNROLL_MAX_LAYERS == 16
+    for layers, expected in [(1, 1), (2, 2), (6, 6), (16, 16), (17, 1), (48, 1)]:
+        assert TransformerConfig(num_layers=layers).layers_per_iteration() == expected
+    assert TransformerConfig(num_layers=48, scan_unroll=0).layers_per_iteration() == 48
+    assert TransformerConfig(num_layers=6, scan_unroll=1).layers_per_iteration() == 1
+    assert TransformerConfig(num_layers=6, scan_unroll=4).layers_per_iteration() == 4
+    assert TransformerConfig(num_layers=2, scan_unroll=4).layers_per_iteration() == 2  # at most the stack
 
 
 def test_setup_lines_warn_when_the_learning_rate_is_above_one_over_width():

@@ -67,7 +67,9 @@ def test_describe_setup_names_the_run():
     assert "eqx_diloco: DDP" in describe_setup(Config(algorithm="ddp"))
     off = describe_setup(dataclasses.replace(config, compile_cache=False))
     assert "persistent cache off" in off
-    assert "  compute      float32 matmuls, float32 parameters; xla attention; remat none; scan unroll 1" in text
+    assert "  compute      float32 matmuls, float32 parameters; xla attention; remat none; all layers unrolled" in text
+    deep = describe_setup(dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=24)))
+    assert "remat none; scan unroll 1" in deep  # scan_unroll auto keeps stacks deeper than 16 layers rolled
     shared = describe_setup(Config(mesh=MeshConfig(replicas_per_device=2)))
     assert "mesh         diloco=2 x data=1, 2 replicas per device (vmapped)" in shared
     # More replicas than devices (tests/conftest.py gives 12): packed two per device, and said so.

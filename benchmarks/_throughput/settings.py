@@ -30,10 +30,12 @@ SMOKE = Settings(num_layers=2, dim=16, num_heads=2, mlp_ratio=2, seq_len=16, bat
 
 
 def model_config(s: Settings, num_layers: int | None = None):
+    """The model measured: the rolled scan (`scan_unroll=1`), whose compile time (b) compares with
+    the hand-unrolled loop; `benchmarks/scan_unroll.py` measures the model's own unrolled scan."""
     from models import TransformerConfig
 
     return TransformerConfig(num_layers=num_layers or s.num_layers, dim=s.dim, num_heads=s.num_heads,
-                             mlp_ratio=s.mlp_ratio)
+                             mlp_ratio=s.mlp_ratio, scan_unroll=1)
 
 
 def train_config(s: Settings):

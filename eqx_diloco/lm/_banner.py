@@ -183,7 +183,8 @@ def _compute_lines(config) -> list[str]:
         attention = m.attention_impl()
     except ValueError:
         return []  # the trainer refuses it with its own line
-    unroll = "all layers unrolled" if m.scan_unroll == 0 else f"scan unroll {m.scan_unroll}"
+    per_iteration = m.layers_per_iteration()
+    unroll = "all layers unrolled" if per_iteration == m.num_layers else f"scan unroll {per_iteration}"
     line = (f"  compute      {m.compute_dtype()} matmuls, float32 parameters; {attention} attention; "
             f"remat {m.remat}; {unroll}")
     return [line]

@@ -321,7 +321,8 @@ def validate(config: Config) -> None:
              f"--model.dim must be divisible by --model.num-heads (got {m.dim} and {m.num_heads})")
     _require((m.dim // m.num_heads) % 2 == 0,
              f"--model.dim / --model.num-heads must be even for rotary embeddings (got {m.dim // m.num_heads})")
-    _require(m.scan_unroll >= 0, f"--model.scan-unroll must be >= 0 (0 = all layers; got {m.scan_unroll})")
+    _require(m.scan_unroll == "auto" or (type(m.scan_unroll) is int and m.scan_unroll >= 0),
+             f"--model.scan-unroll must be auto or an int >= 0 (0 = all layers; got {m.scan_unroll})")
     if m.attention == "cudnn" and m.dtype != "auto":  # the backend's half of the rule: `check_backend`
         problem = attention_rule(m, nvidia_gpu=True, dtype=m.dtype)
         _require(problem is None, f"--model.attention cudnn {problem} (--model.dtype {m.dtype})")
