@@ -80,13 +80,16 @@ def _step_and_state(shape: Shape, num_layers: int, scan_unroll: int):
     opt_state = optimizer.init(params)
     tokens = jax.random.randint(jax.random.key(1), (shape.batch_size, shape.seq_len + 1), 0, config.vocab_size,
                                 dtype=jnp.int32)
-    return make_plain_step(optimizer, static), params, opt_state, tokens
+    return (lambda: make_plain_step(optimizer, static)), params, opt_state, tokens
 
 
-def _compile_seconds(step, params, opt_state, tokens) -> float:
+def _compile_seconds(new_step, params, opt_state, tokens) -> float:
+    """Lower + compile of a freshly built step (a new `jax.jit` object: JAX keeps compiled programs
+    per jitted function in memory, so compiling the same one again would cost nothing)."""
     import jax
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt_state, tokens))
+    step = new_step()
     t0 = time.perf_counter()
     step.lower(*abstract).compile()
     return time.perf_counter() - t0
@@ -98,14 +101,15 @@ def measure(s: Settings, shape: Shape, num_layers: int, log) -> dict[str, Any]:
     built = {name: _step_and_state(shape, num_layers, unroll) for name, unroll in VARIANTS.items()}
     compile_s: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(s.compile_reps):
-        for name, (step, params, opt_state, tokens) in built.items():
-            compile_s[name].append(_compile_seconds(step, params, opt_state, tokens))
+        for name, (new_step, params, opt_state, tokens) in built.items():
+            compile_s[name].append(_compile_seconds(new_step, params, opt_state, tokens))
     state = {name: [params, opt_state] for name, (_, params, opt_state, _) in built.items()}
+    steps = {name: new_step() for name, (new_step, _, _, _) in built.items()}
 
-    def run(name: str, steps: int) -> float:
-        step, _, _, tokens = built[name]
+    def run(name: str, count: int) -> float:
+        step, tokens = steps[name], built[name][3]
         t0 = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(count):
             state[name][0], state[name][1], loss = step(*state[name], tokens)
         jax.block_until_ready(loss)
         return time.perf_counter() - t0

@@ -267,3 +267,18 @@ def test_vs_torchft_says_when_torchft_is_missing_and_computes_its_ratios(tmp_pat
     metrics.write_text("\n".join(json.dumps(r) for r in records))
     spread = vs_torchft.eqx_step_spread(metrics)
     assert spread == {"median_step_s": 0.5, "slowest_sync_step_x": 3.0, "slowest_other_step_x": 4.0}
+
+
+@pytest.mark.slow  # compiles and times both settings
+def test_scan_unroll_smoke(tmp_path):
+    from benchmarks import scan_unroll
+
+    scan_unroll.run(scan_unroll.SMOKE, out_dir=tmp_path, log=quiet)
+    saved = json.loads((tmp_path / "scan_unroll.json").read_text())
+    assert "| smoke | 2 |" in (tmp_path / "scan_unroll.md").read_text()
+    (row,) = saved["rows"]
+    for key in ("step_rolled_ms", "step_unrolled_ms", "compile_rolled_s", "compile_unrolled_s", "speedup",
+                "compile_ratio"):
+        assert finite(row[key]) and row[key] > 0
+    assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
+    assert len(row["all"]["step_s"]["rolled"]) == scan_unroll.SMOKE.rounds
