@@ -8,10 +8,10 @@ AttentionImpl = Literal["auto", "xla", "cudnn"]
 Remat = Literal["none", "block", "dots"]
 ScanUnroll = int | Literal["auto"]
 
-# `scan_unroll="auto"` unrolls stacks up to this depth. On CPU an unrolled stack stepped 1.26-1.46x
-# faster than the rolled scan at 2 to 24 layers, and compiled within 1.2x of its time up to 6-12
-# layers but 2-2.2x at 24 (benchmarks/scan_unroll.py); deeper stacks keep the rolled scan, whose
-# compile time is flat in depth.
+# `scan_unroll="auto"` unrolls stacks up to this depth. On CPU an unrolled stack stepped 1.20-1.51x
+# faster than the rolled scan at 2 to 24 layers; it compiled within 1.1x of the rolled scan's time
+# up to 6 layers, 1.2-1.4x at 12 and 2.0-2.3x at 24 (benchmarks/scan_unroll.py). Deeper stacks keep
+# the rolled scan, whose compile time is flat in depth.
 AUTO_UNROLL_MAX_LAYERS = 16
 
 
