@@ -7,6 +7,7 @@ Examples:
     python -m eqx_diloco.train --algorithm ddp                   # data-parallel baseline
 """
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -248,7 +249,28 @@ def entry() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    sys.exit(code)
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """Exit as the interpreter would, without its teardown.
+
+    Everything an exit is for still happens, in the interpreter's order: other non-daemon threads
+    are joined, the `atexit` handlers run (logging's flush, JAX's `jax.distributed.shutdown`
+    barrier and cache clean-up, finalizers such as temporary folders), and the standard streams
+    are flushed; the trainer has closed its own files. What is skipped is the destruction of every
+    module and object, JAX's runtime included: about 0.25 s at the end of every run, for a process
+    that is ending anyway."""
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's own call at exit
+    if run_exit_handlers is None:
+        sys.exit(code)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    run_exit_handlers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
