@@ -11,6 +11,7 @@ would decode them), a list of `[returncode, stdout bytes, stderr bytes]` on stdo
 same order.
 """
 
+import atexit
 import base64
 import json
 import os
@@ -53,6 +54,9 @@ def _child(argv: list, env: dict, cwd: str, out_path: str, err_path: str) -> Non
     """Become `python -m argv[0] argv[1:]`; never returns."""
     code = 1
     try:
+        # Never the parent's exit handlers (its temporary folder's finalizer among them), as
+        # multiprocessing's forked children do not: the trainer's exit runs the handlers it finds.
+        atexit._clear()
         for fd, path in ((1, out_path), (2, err_path)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(target, fd)
