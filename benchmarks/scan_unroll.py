@@ -149,9 +149,9 @@ def report(result: dict[str, Any]) -> str:
     ])
     return "\n".join([
         "# Layer stack rolled (scan unroll 1) vs unrolled (0)", "",
-        f"Revision {result['revision']}; {result['machine']['backend']}, 1 device, {result['machine']['cpu_count']} "
-        f"cores. A plain jitted AdamW step, float32; step time = median over {s['rounds']} interleaved rounds of "
-        f"{s['steps_per_round']} steps; compile = fastest of {s['compile_reps']} fresh lower + compile.", "",
+        (f"Revision {result['revision']}; {result['machine']['backend']}, 1 device, {result['machine']['cpu_count']} "
+         f"cores. A plain jitted AdamW step, float32; step time = median over {s['rounds']} interleaved rounds of "
+         f"{s['steps_per_round']} steps; compile = fastest of {s['compile_reps']} fresh lower + compile."), "",
         table, "",
     ])
 
