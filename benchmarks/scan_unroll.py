@@ -13,7 +13,7 @@ and optimizer state donated; the same fixed token batch every step).
   the median over rounds of (rolled seconds / unrolled seconds) within the round, with its range.
 
 This is the evidence behind `scan_unroll="auto"` (all layers up to `AUTO_UNROLL_MAX_LAYERS`,
-rolled above). Run `python -m benchmarks.scan_unroll --help`; about 4 minutes on 2 idle cores.
+rolled above). Run `python -m benchmarks.scan_unroll --help`; about 3.5 minutes on 2 idle cores.
 Output in `--out-dir` (default `runs/benchmarks/scan_unroll_default`; committed results only
 with `--out-dir benchmarks/results`): `scan_unroll.json` and `scan_unroll.md`.
 """

@@ -348,3 +348,28 @@ def test_a_run_without_checkpoints_never_imports_orbax(tmp_path):
     """
     out = _fresh_python(code, {})
     assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr[-2000:]
+
+
+@pytest.mark.slow  # a trainer process
+def test_a_finished_run_exits_with_its_exit_handlers_run_and_its_output_flushed(tmp_path):
+    """The trainer leaves with os._exit (skipping the interpreter's teardown), but only after what a
+    normal exit does: other threads joined, every atexit handler run, the streams flushed."""
+    marker = tmp_path / "handler_ran"
+    program = textwrap.dedent(f"""
+        import atexit, os, sys, threading, time
+        atexit.register(lambda: open({str(marker)!r}, "w").write("ran"))
+        def late():  # still running when the trainer returns: written only if the exit joins it
+            while not os.path.exists({str(tmp_path / "run" / "phases" / "process-0.json")!r}):
+                time.sleep(0.05)
+            time.sleep(1.0)
+            open({str(marker)!r} + ".thread", "w").write("joined")
+        threading.Thread(target=late).start()
+        sys.argv = ["eqx_diloco.train", *{[*TINY, "--train.steps", "4", "--run-dir", str(tmp_path / "run")]!r}]
+        print("before the trainer", end="")  # no newline: flushed only at exit
+        from eqx_diloco.lm.train import entry
+        entry()
+    """)
+    proc = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.read_text() == "ran" and pathlib.Path(f"{marker}.thread").read_text() == "joined"
+    assert "before the trainer" in proc.stdout and "metrics" in proc.stdout

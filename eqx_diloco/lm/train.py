@@ -259,7 +259,7 @@ def _leave(code: int) -> None:
     are joined, the `atexit` handlers run (logging's flush, JAX's `jax.distributed.shutdown`
     barrier and cache clean-up, finalizers such as temporary folders), and the standard streams
     are flushed; the trainer has closed its own files. What is skipped is the destruction of every
-    module and object, JAX's runtime included: about 0.25 s at the end of every run, for a process
+    module and object, JAX's runtime included: about 0.3 s at the end of every run, for a process
     that is ending anyway."""
     run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's own call at exit
     if run_exit_handlers is None:
