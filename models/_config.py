@@ -8,9 +8,9 @@ AttentionImpl = Literal["auto", "xla", "cudnn"]
 Remat = Literal["none", "block", "dots"]
 ScanUnroll = int | Literal["auto"]
 
-# `scan_unroll="auto"` unrolls stacks up to this depth. On CPU an unrolled stack stepped 1.20-1.51x
-# faster than the rolled scan at 2 to 24 layers; it compiled within 1.1x of the rolled scan's time
-# up to 6 layers, 1.2-1.4x at 12 and 2.0-2.3x at 24 (benchmarks/scan_unroll.py). Deeper stacks keep
+# `scan_unroll="auto"` unrolls stacks up to this depth. On CPU an unrolled stack stepped 1.28-1.56x
+# faster than the rolled scan at 2 to 24 layers; it compiled within 1.04x of the rolled scan's time
+# up to 6 layers, 1.15-1.5x at 12 and 2.0-2.2x at 24 (benchmarks/scan_unroll.py). Deeper stacks keep
 # the rolled scan, whose compile time is flat in depth.
 AUTO_UNROLL_MAX_LAYERS = 16
 
