@@ -243,31 +243,23 @@ def _jax_runtime_error() -> type[BaseException] | tuple[()]:
 
 
 def entry() -> None:
-    """Run `main` and exit with its code (with os._exit where `_hard_exit` says so)."""
+    """Run `main` and leave with its code through os._exit, without the interpreter's teardown.
+
+    A normal end first does everything else an exit is for, in the interpreter's order: other
+    non-daemon threads are joined and the `atexit` handlers run (logging's flush, JAX's
+    `jax.distributed.shutdown` barrier and cache clean-up, finalizers such as temporary folders);
+    the trainer has closed its own files. What is skipped is the destruction of every module and
+    object, JAX's runtime included: about 0.3 s at the end of every run, for a process that is
+    ending anyway. Where `_hard_exit` says so, nothing is waited for."""
     code = main()
-    if _hard_exit:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    _leave(code)
-
-
-def _leave(code: int) -> None:
-    """Exit as the interpreter would, without its teardown.
-
-    Everything an exit is for still happens, in the interpreter's order: other non-daemon threads
-    are joined, the `atexit` handlers run (logging's flush, JAX's `jax.distributed.shutdown`
-    barrier and cache clean-up, finalizers such as temporary folders), and the standard streams
-    are flushed; the trainer has closed its own files. What is skipped is the destruction of every
-    module and object, JAX's runtime included: about 0.3 s at the end of every run, for a process
-    that is ending anyway."""
-    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's own call at exit
-    if run_exit_handlers is None:
-        sys.exit(code)
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    run_exit_handlers()
+    if not _hard_exit:
+        run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's own call at exit
+        if run_exit_handlers is None:
+            sys.exit(code)
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
