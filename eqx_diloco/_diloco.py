@@ -31,7 +31,7 @@ from ._persistence import Persistence
 from ._programs import FIELDS as PROGRAM_FIELDS
 from ._programs import Programs, build_programs, is_trainable, signature
 from ._results import Results
-from ._run_once import run_once_options
+from ._rare_programs import rare_program_options
 from ._traffic import Traffic
 from ._state import TrainState, build_state
 from ._step import LossFn
@@ -284,7 +284,7 @@ class DiLoCo(Results, Persistence, Traffic):
         params = self._bind(model)
         key = jax.random.key(0) if key is None else key
         build = jax.jit(lambda p, k: build_state(p, **self.build_kwargs, key=k), out_shardings=self.shardings,
-                        compiler_options=run_once_options(sum(x.size for x in jax.tree.leaves(params))))
+                        compiler_options=rare_program_options(sum(x.size for x in jax.tree.leaves(params))))
         # Fresh buffers: jit may return an input as theta_g, and the first step donates (deletes) the state.
         state = build(jax.tree.map(jnp.copy, params), key)
         self._drop_in_flight()

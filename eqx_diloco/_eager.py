@@ -50,6 +50,7 @@ Choices where the paper leaves room (and why):
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -98,14 +99,17 @@ class OverlappedOuter:
     - `num_replicas`: R, when the mesh's rows hold several replicas each (default: its rows).
     - `value_specs`: per group, its values' PartitionSpecs over the inner axes (a sharded
       island: each device exchanges, and rounds, its own shard; None: replicated).
+    - `compiler_options`: XLA options for every program (these run once a round; see `_rare_programs`).
     """
 
     def __init__(self, *, mesh: Mesh, comm_mesh: Mesh | None, groups: tuple[ParamGroup, ...],
                  outer_opt: optax.GradientTransformation, mode: str, fmt: str, exchange: str,
                  skip_nonfinite: bool, error_feedback: bool, shardings: TrainState, num_replicas: int | None = None,
                  error_feedback_decay: float = 1.0,
-                 value_specs: tuple[list[PartitionSpec], ...] | None = None):
+                 value_specs: tuple[list[PartitionSpec], ...] | None = None,
+                 compiler_options: dict[str, Any] | None = None):
         self.mesh, self.comm_mesh, self.groups, self.outer_opt = mesh, comm_mesh, groups, outer_opt
+        jit = functools.partial(jax.jit, compiler_options=compiler_options)
         self.mode, self.fmt, self.error_feedback, self.skip_nonfinite = mode, fmt, error_feedback, skip_nonfinite
         self.ef_decay = error_feedback_decay
         self.num_replicas = num_replicas or mesh.shape["diloco"]
@@ -117,15 +121,15 @@ class OverlappedOuter:
         # own layout: each device's shard, nothing gathered.
         placed = (on(PartitionSpec()), on(PartitionSpec("diloco")), on(PartitionSpec("diloco"))) \
             if value_specs is None else None
-        self._exchange = [jax.jit(self._exchange_fn(exchange_mesh, specs), out_shardings=placed)
+        self._exchange = [jit(self._exchange_fn(exchange_mesh, specs), out_shardings=placed)
                           for specs in self.value_specs]
         per_replica = lambda specs: NamedSharding(mesh, PartitionSpec("diloco")) if specs is None else [  # noqa: E731
             NamedSharding(mesh, spec) for spec in value_specs_in(specs, True)]
-        self._outer = [jax.jit(self._outer_fn(i), donate_argnums=0, out_shardings=(shardings, per_replica(specs)))
+        self._outer = [jit(self._outer_fn(i), donate_argnums=0, out_shardings=(shardings, per_replica(specs)))
                        for i, specs in enumerate(self.value_specs)]
-        self._install = [jax.jit(self._install_fn(i), donate_argnums=0, out_shardings=shardings)
+        self._install = [jit(self._install_fn(i), donate_argnums=0, out_shardings=shardings)
                          for i in range(len(groups))]
-        self._drain = [jax.jit(self._drain_fn(i), donate_argnums=0, out_shardings=shardings)
+        self._drain = [jit(self._drain_fn(i), donate_argnums=0, out_shardings=shardings)
                        for i in range(len(groups))]
 
     # -- the exchange (runs in the background) --------------------------------------------------

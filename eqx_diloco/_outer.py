@@ -17,6 +17,7 @@ group is H steps later), so the global params themselves hold the in-flight resu
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -231,6 +232,8 @@ class OuterSync:
     - `exchange`: the collective of quantized syncs: `auto`, `gather` or `two_phase`.
     - `num_replicas`: R, when the mesh's rows hold several replicas each (default: its rows).
     - `value_specs`: per group, its values' PartitionSpecs over the inner axes (None: replicated).
+    - `compiler_options`: XLA options for every program (these run once a sync; see `_rare_programs`).
+      JAX compiles options only for a top-level call: with them, call the programs outside any `jit`.
 
     Two ways to sync a group: `sync` (or `sync_and_merge`) updates the state in one program
     on the compute mesh; `launch` copies the group's values to the communication mesh and
@@ -254,6 +257,7 @@ class OuterSync:
         num_replicas: int | None = None,
         value_specs: tuple[list[PartitionSpec], ...] | None = None,
         error_feedback_decay: float = 1.0,
+        compiler_options: dict[str, Any] | None = None,
     ):
         self.mesh, self.groups, self.outer_opt, self.fmt, self.alpha = mesh, groups, outer_opt, fmt, alpha
         self.skip_nonfinite, self.error_feedback = skip_nonfinite, error_feedback
@@ -261,7 +265,8 @@ class OuterSync:
         flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback, exchange=exchange,
                      num_replicas=num_replicas, error_feedback_decay=error_feedback_decay)
         comm_mesh = self.comm_mesh or self.mesh
-        jit = lambda f: jax.jit(f, donate_argnums=0, out_shardings=(self.shardings, None))  # noqa: E731
+        program = functools.partial(jax.jit, compiler_options=compiler_options)
+        jit = lambda f: program(f, donate_argnums=0, out_shardings=(self.shardings, None))  # noqa: E731
         fns = dict(sync=[], merge=[], sync_and_merge=[], extract=[], install=[], launch=[])
         replica, replicated = PartitionSpec("diloco"), PartitionSpec()
         for i, group in enumerate(self.groups):
@@ -271,16 +276,16 @@ class OuterSync:
             sync = self._sync_fn(i, group, self._core(exchange))
             merge = self._merge_fn(group)
             fns["sync"].append(jit(sync))
-            fns["merge"].append(jax.jit(merge, donate_argnums=0, out_shardings=self.shardings))
+            fns["merge"].append(program(merge, donate_argnums=0, out_shardings=self.shardings))
             fns["sync_and_merge"].append(jit(_then_merge(sync, merge)))
-            fns["extract"].append(jax.jit(self._extract_fn(i, group)))
-            fns["install"].append(jax.jit(self._install_fn(i, group), donate_argnums=0, out_shardings=self.shardings))
+            fns["extract"].append(program(self._extract_fn(i, group)))
+            fns["install"].append(program(self._install_fn(i, group), donate_argnums=0, out_shardings=self.shardings))
             on_comm = lambda spec: NamedSharding(comm_mesh, spec)  # noqa: E731
             # Results of a sharded island (and any on the compute mesh) keep the layout of the
             # exchange's outputs, each device's own shard: nothing is gathered in an island.
             placed = (on_comm(replicated), on_comm(replicated), on_comm(replica), on_comm(replica)) \
                 if self.comm_mesh is not None and specs is None else None
-            fns["launch"].append(jax.jit(comm_core, out_shardings=placed))
+            fns["launch"].append(program(comm_core, out_shardings=placed))
         self._fns = {k: tuple(v) for k, v in fns.items()}
 
     def _core(self, exchange):

@@ -41,8 +41,8 @@ def test_eval_shape_of_init_and_steps(make_config, name):
     assert metrics["loss"].shape == (R,)
     if trainer.outer is not None:
         for p in range(trainer.num_fragments):
-            synced, finite = jax.eval_shape(lambda s, p=p: trainer.outer.sync(s, p), state)
-            merged = jax.eval_shape(lambda s, p=p: trainer.outer.merge(s, p), state)
+            synced, finite = jax.eval_shape(trainer.outer._fns["sync"][p], state)  # top level: jitted with compiler options
+            merged = jax.eval_shape(trainer.outer._fns["merge"][p], state)
             assert jax.tree.structure(synced) == jax.tree.structure(merged) == jax.tree.structure(state)
             assert finite.shape == (R,)
             # The overlapped (tau > 0) programs: extract + exchange on the communication

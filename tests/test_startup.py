@@ -312,24 +312,76 @@ def test_a_process_waits_for_its_coordinator_to_listen_before_joining():
 
 
 def test_small_models_build_their_state_with_unoptimised_programs_on_cpu(monkeypatch):
-    """The programs that run once (the model's and the state's initialisation) compile at LLVM level 0 on CPU
-    for small models, less than half the compile of a cold start; large models and accelerators keep XLA's
-    defaults. The model built that way matches the optimised build to float32 rounding."""
-    from eqx_diloco._run_once import SMALL_MODEL_PARAMS, run_once_options
+    """The programs that run once (the model's and the state's initialisation) compile at LLVM level 0 with
+    XLA:CPU's older fusion emitters for small models, a fraction of a cold start's compile; large models and
+    accelerators keep XLA's defaults. The model built that way matches the optimised build to float32 rounding."""
+    from eqx_diloco._rare_programs import SMALL_MODEL_PARAMS, rare_program_options
     from eqx_diloco.lm import _core
 
-    assert run_once_options(1000, backend="cpu") == {"xla_backend_optimization_level": 0}
-    assert run_once_options(SMALL_MODEL_PARAMS + 1, backend="cpu") is None
-    assert run_once_options(1000, backend="gpu") is None and run_once_options(1000, backend="tpu") is None
+    assert rare_program_options(1000, backend="cpu") == {"xla_backend_optimization_level": 0,
+                                                         "xla_cpu_use_fusion_emitters": False}
+    assert rare_program_options(SMALL_MODEL_PARAMS + 1, backend="cpu") is None
+    assert rare_program_options(1000, backend="gpu") is None and rare_program_options(1000, backend="tpu") is None
     config = TransformerConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2)
     asked = []
-    monkeypatch.setattr(_core, "run_once_options", lambda n: asked.append(n) or run_once_options(n))
+    monkeypatch.setattr(_core, "rare_program_options", lambda n: asked.append(n) or rare_program_options(n))
     key = jax.random.key(3)
     fast, optimised = _core.new_model(config, key), _core._model_builder(())(config, key)
     assert asked == [config.num_params()]
     for a, b in zip(jax.tree.leaves(eqx.filter(fast, eqx.is_array)), jax.tree.leaves(eqx.filter(optimised, eqx.is_array))):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("sync", [dict(num_fragments=1, sync_period=3),
+                                  dict(num_fragments=2, sync_period=4, overlap_steps=1, alpha=0.5),
+                                  dict(num_fragments=1, sync_period=3, outer_overlap="eager")],
+                         ids=["blocking", "streaming-tau1", "eager"])
+def test_a_small_models_syncs_compile_unoptimised_and_compute_what_optimised_syncs_do(monkeypatch, sync):
+    """A sync's programs (blocking, streamed and overlapped) run once a sync: a small model's compile with
+    `rare_program_options` on CPU. Training through them ends where training through XLA's defaults does."""
+    import optax
+    from custom_model import StackedMLP, loss_fn, make_batch
+
+    from eqx_diloco import DiLoCo, _programs
+    from eqx_diloco._rare_programs import rare_program_options
+
+    model = StackedMLP(key=jax.random.key(0))
+    num_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+    def train(options):
+        asked = []
+        monkeypatch.setattr(_programs, "rare_program_options", lambda n: asked.append(n) or options)
+        diloco = DiLoCo(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=2, inner_optimizer=optax.adam(1e-2),
+                        **sync)
+        state = diloco.init(model)
+        for step in range(2 * sync["sync_period"] + 1):
+            state, _ = diloco.step(state, make_batch(step, 2))
+        state, _ = diloco.settle(state)
+        assert asked == [num_params]
+        return state
+
+    unoptimised, optimised = train(rare_program_options(num_params)), train(None)
+    assert rare_program_options(num_params) is not None  # the case under test: a small model on CPU
+    with pytest.raises(jax.errors.JaxRuntimeError, match="no_such_option"):  # the options reach the syncs' compiles
+        train({"no_such_option": 1})
+    for a, b in zip(jax.tree.leaves((unoptimised.global_params, unoptimised.params)),
+                    jax.tree.leaves((optimised.global_params, optimised.params)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_finite_check_of_a_small_model_compiles_unoptimised_and_finds_what_the_optimised_one_does():
+    import jax.numpy as jnp
+
+    from eqx_diloco._rare_programs import SMALL_MODEL_PARAMS
+    from eqx_diloco.lm._finite import _all_finite, all_finite, finite_check
+
+    assert finite_check(10) is finite_check(1000) and finite_check(10) is not finite_check(SMALL_MODEL_PARAMS + 1)
+    optimised = jax.jit(_all_finite)
+    for tree in [{"a": jnp.ones(3), "b": jnp.zeros((2, 2))}, {"a": jnp.array([1.0, jnp.nan]), "n": jnp.arange(3)},
+                 {"a": jnp.array([jnp.inf]), "b": jnp.ones(2)}, {"n": jnp.arange(2)}]:
+        assert bool(all_finite(tree)) == bool(optimised(tree)) == all(
+            bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 @pytest.mark.slow  # a fresh interpreter

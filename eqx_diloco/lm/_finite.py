@@ -3,20 +3,36 @@ non-finite value, `skip` drops the replicas that have one until none is left. A 
 model stops the run under either policy."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._errors import NonFiniteError
+from .._rare_programs import rare_program_options
 from .._replica_values import replicated_value
 
 
-@jax.jit
-def all_finite(tree) -> jax.Array:
-    """Whether every float leaf of `tree` is finite (one boolean scalar, computed where the arrays live)."""
+def _all_finite(tree) -> jax.Array:
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+
+
+def finite_check(num_params: int):
+    """`all_finite`'s jitted program for trees of `num_params` values. It runs once a sync: for a small
+    model, compiled unoptimised on CPU (`rare_program_options`)."""
+    return _checker(tuple(sorted((rare_program_options(num_params) or {}).items())))
+
+
+@functools.cache
+def _checker(options: tuple):
+    return jax.jit(_all_finite, compiler_options=dict(options) or None)
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every float leaf of `tree` is finite (one boolean scalar, computed where the arrays live)."""
+    return finite_check(sum(x.size for x in jax.tree.leaves(tree)))(tree)
 
 
 @dataclasses.dataclass(frozen=True)

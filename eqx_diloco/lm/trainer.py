@@ -25,7 +25,7 @@ from .._tree import row_finite
 from ._banner import finished_message, format_summary
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
 from ._devices import fail_for_test, slow_down, slowdown_s
-from ._finite import FiniteChecks, all_finite
+from ._finite import FiniteChecks, all_finite, finite_check
 from ._hooks import Hook
 from ._phases import mark
 from ._reporting import Reporter
@@ -91,7 +91,7 @@ class Trainer:
         # them would be a collective across processes, which on a slow link waits behind the
         # exchange just launched.
         self._row_finite = jax.jit(row_finite, out_shardings=NamedSharding(self.mesh, PartitionSpec("diloco")))
-        self.global_finite = self._row_finite if core.outer_overlap == "eager" else all_finite
+        self.global_finite = self._row_finite if core.outer_overlap == "eager" else finite_check(config.model.num_params())
         self.checks = FiniteChecks(t.on_nonfinite)
         self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, PartitionSpec()))
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
