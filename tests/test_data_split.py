@@ -96,3 +96,25 @@ def test_split_is_recorded_in_the_config_dump():
     config = dataclasses.replace(Config(), data=DataConfig(split="iid"))
     validate(config)
     assert dataclasses.asdict(config)["data"]["split"] == "iid"
+
+
+def test_the_embedded_corpus_walk_reads_the_sorted_sources_without_packages_and_tests(tmp_path, monkeypatch):
+    """`corpus_bytes` reads the standard library's `.py` files in sorted path order, leaving out
+    site-packages and test folders: the same bytes as sorting every path of the tree, without listing
+    the folders it leaves out. Files and folders interleave by name, as sorted paths do."""
+    import sysconfig
+
+    from eqx_diloco.lm import data
+
+    files = ["a.py", "ab/z.py", "ab.py", "b/c/d.py", "b/c.py", "b/site-packages/x.py", "test/t.py", "tests/u.py",
+             "c/test/v.py", "c/w.py", "c/w.txt", "d.py/e.py", "z.py"]
+    for i, name in enumerate(files):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"# {i} {name}\n")
+    (tmp_path / "link").symlink_to(tmp_path / "b", target_is_directory=True)  # not followed, as rglob does not
+    expected = b"".join(p.read_bytes() for p in sorted(tmp_path.rglob("*.py"))
+                        if p.is_file() and not {"site-packages", "test", "tests"} & set(p.relative_to(tmp_path).parts))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert data.corpus_bytes(10**6) == expected
+    assert b"site-packages" not in expected and b"t.py" not in expected and b"# 0 a.py\n# 2 ab.py" not in expected
+    assert data.corpus_bytes(20) == expected[:20]

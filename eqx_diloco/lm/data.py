@@ -18,15 +18,12 @@ from .config import ConfigError, DataConfig
 
 
 def corpus_bytes(max_bytes: int) -> bytes:
-    """The Python standard library's own `.py` sources (sorted, concatenated), up to `max_bytes`.
+    """The Python standard library's own `.py` sources (sorted by path, concatenated), up to `max_bytes`.
 
     Every Python installation ships them, so nothing is downloaded.
     """
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for path in sorted(stdlib.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
-            continue
+    for path in _stdlib_sources(Path(sysconfig.get_paths()["stdlib"])):
         try:
             data = path.read_bytes()
         except OSError:
@@ -36,6 +33,30 @@ def corpus_bytes(max_bytes: int) -> bytes:
         if total >= max_bytes:
             break
     return b"".join(chunks)[:max_bytes]
+
+
+_NOT_THE_STDLIB = {"site-packages", "test", "tests"}
+
+
+def _stdlib_sources(root: Path):
+    """The `.py` files under `root` in sorted path order, without the installed packages and the test
+    suites. A walk that never enters those folders and stops when the reader does: listing the
+    whole tree first (site-packages included) took longer than the reading."""
+    if _NOT_THE_STDLIB.intersection(root.parts):
+        return
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:  # files and folders by name, together: the order of sorted paths
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                if entry.name not in _NOT_THE_STDLIB:
+                    yield from _stdlib_sources(Path(entry.path))
+            elif entry.name.endswith(".py"):
+                yield Path(entry.path)
+        except OSError:
+            continue
 
 
 def _text_bytes(path: Path) -> bytes:
