@@ -88,6 +88,8 @@ def check_arguments(
     fsdp: int = 1,
     tensor: int = 1,
     outer_state_memory: str = "device",
+    param_specs: Any = None,
+    sync_compiler_options: Any = None,
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
@@ -118,6 +120,10 @@ def check_arguments(
     _require(fsdp * tensor == 1 or replicas_per_device in (None, 1),
              f"replicas_per_device must be 1 with fsdp or tensor > 1 (got {replicas_per_device}): an island spans "
              f"devices, replicas do not share them")
+    _require(param_specs is None or callable(param_specs),
+             "param_specs must be a callable: param_specs(abstract_model) -> tree of PartitionSpec, or None")
+    _require(sync_compiler_options is None or isinstance(sync_compiler_options, dict),
+             f"sync_compiler_options must be a dict of XLA compiler options, or None (got {sync_compiler_options!r})")
     _require(outer_state_memory in ("device", "host"),
              f"outer_state_memory must be device or host (got {outer_state_memory!r})")
     if outer_state_memory == "host":

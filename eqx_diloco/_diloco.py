@@ -131,6 +131,7 @@ class DiLoCo(Results, Persistence, Traffic):
       the devices' `pinned_host` memory (JAX memory kinds) and visit device memory only
       inside a sync or merge, saving two parameter-sized copies per device between syncs.
       Needs `outer_overlap="none"`.
+    - `sync_compiler_options`: XLA `compiler_options` of the sync programs (None: XLA's defaults).
     - `mesh`, `comm_mesh`: bring your own ("diloco", "data", "fsdp", "tensor") or
       ("diloco", "data") meshes instead (`comm_mesh`: rows x 1 x fsdp x tensor devices of
       their own, each in the process of the shard it partners).
@@ -181,6 +182,7 @@ class DiLoCo(Results, Persistence, Traffic):
         tensor: int = 1,
         param_specs: Callable[[PyTree], PyTree] | None = None,
         outer_state_memory: Literal["device", "host"] = "device",
+        sync_compiler_options: dict[str, Any] | None = None,
     ):
         _require(callable(loss_fn), "loss_fn must be callable: loss_fn(model, batch, key) -> (loss, aux) or loss")
         _require(layers is None or callable(layers), "layers must be a selector (lambda model: model.blocks) or None")
@@ -192,9 +194,8 @@ class DiLoCo(Results, Persistence, Traffic):
             router_sync_period=router_sync_period, has_routers=routers is not None, on_nonfinite=on_nonfinite,
             data_parallel=data_parallel, comm_device=comm_device, algorithm=algorithm,
             replicas_per_device=replicas_per_device, fsdp=fsdp, tensor=tensor, outer_state_memory=outer_state_memory,
+            param_specs=param_specs, sync_compiler_options=sync_compiler_options,
         )
-        _require(param_specs is None or callable(param_specs),
-                 "param_specs must be a callable: param_specs(abstract_model) -> tree of PartitionSpec, or None")
         self.loss_fn, self.layers = loss_fn, layers
         self.num_replicas, self.sync_period, self.num_fragments = num_replicas, sync_period, num_fragments
         self.inner_optimizer = inner_optimizer
@@ -217,7 +218,7 @@ class DiLoCo(Results, Persistence, Traffic):
         comm_mesh = None if comm_mesh is None else as_full_mesh(comm_mesh)
         # A mesh brought by the caller says how big an island is.
         self.fsdp, self.tensor, self.param_specs = mesh.shape["fsdp"], mesh.shape["tensor"], param_specs
-        self.outer_state_memory = outer_state_memory
+        self.outer_state_memory, self.sync_compiler_options = outer_state_memory, sync_compiler_options
         kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
         _require(outer_state_memory == "device" or "pinned_host" in kinds,
                  f"outer_state_memory host needs the 'pinned_host' memory kind, which {mesh.devices.flat[0].platform} "

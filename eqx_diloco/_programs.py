@@ -12,7 +12,6 @@ from ._errors import ConfigError
 from ._fragments import stack_flags
 from ._groups import ParamGroup, make_groups
 from ._outer import OuterSync, sync_nbytes, sync_wire_nbytes
-from ._rare_programs import rare_program_options
 from ._sharding import resolve_specs
 from ._state import TrainState, build_state, state_shardings
 from ._step import make_inner_step
@@ -96,7 +95,7 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
     inner_step = make_inner_step(d.mesh, d.inner_optimizer, d.loss_fn, static, ddp=not d.is_diloco, skip_nonfinite=skip,
                                  shardings=shardings)
     outer = overlapped = None
-    rare = rare_program_options(sum(x.size for x in jax.tree.leaves(abstract)))  # a sync's programs
+    rare = d.sync_compiler_options
     if d.outer_overlap != "none":
         overlapped = OverlappedOuter(
             mesh=d.mesh, comm_mesh=d.comm_mesh, groups=groups, outer_opt=d.outer_optimizer, mode=d.outer_overlap,

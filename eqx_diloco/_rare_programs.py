@@ -1,26 +1,27 @@
 """Compiler options for the programs that run rarely: building the model and the state (once per
-run), the outer syncs (once per sync), the global model's finite check and its evaluation.
+run), the outer syncs and the global model's finite check (once per sync).
 
 On a CPU, XLA's defaults spend seconds on each program: LLVM's optimisations and its per-fusion
-emitters. For a small model these programs then run in milliseconds either way, so a cold start
-waits for their compilation, not for them. At LLVM level 0 with XLA:CPU's older (non-MLIR) fusion
-emitters they compile 3-5x faster (a cold 2-process run of the vs_torchft config, per process:
-initialisation 1.3 -> 0.4 s, the blocking sync 1.7 -> 0.3 s, evaluation 0.65 -> 0.17 s; see
-benchmarks/results/startup_breakdown.md). The step, which runs at every step, keeps XLA's defaults;
-so do large models, whose rare programs run long enough for optimised code to pay, and
-accelerators, which compile these programs quickly.
+emitters. At LLVM level 0 with XLA:CPU's older (non-MLIR) fusion emitters the same programs compile
+several times faster and run several times slower (benchmarks/results/rare_programs.md, one core:
+the default model's blocking sync compiles in 0.44 s instead of 2.15 s, then runs in 71 ms instead of
+15 ms). Unoptimised code pays while what it adds over the whole run stays under what it saves at
+the start: the sync costs 40-45 ns more per parameter per run, so 2^24 parameter-runs add at most
+about 0.75 s, against 1.5-1.7 s of compilation saved. Accelerators compile these programs quickly:
+they keep XLA's defaults, as does every program that runs at every step.
 """
 
 from typing import Any
 
 import jax
 
-SMALL_MODEL_PARAMS = 1 << 24  # up to this many parameters, a rare program compiles unoptimised on CPU
+UNOPTIMISED_BUDGET = 1 << 24  # parameters x runs up to which a rare program compiles unoptimised on CPU
 
 
-def rare_program_options(num_params: int, backend: str | None = None) -> dict[str, Any] | None:
-    """`compiler_options` for a program that runs rarely on a model of `num_params` parameters (on
-    `backend`, default JAX's): unoptimised code on a CPU for a small model, else None (XLA's defaults)."""
-    if (backend or jax.default_backend()) != "cpu" or num_params > SMALL_MODEL_PARAMS:
+def rare_program_options(num_params: int, *, runs: int = 1, backend: str | None = None) -> dict[str, Any] | None:
+    """`compiler_options` for a program over `num_params` parameters that runs `runs` times (on
+    `backend`, default JAX's): unoptimised code on a CPU within `UNOPTIMISED_BUDGET`, else None
+    (XLA's defaults)."""
+    if (backend or jax.default_backend()) != "cpu" or num_params * max(runs, 1) > UNOPTIMISED_BUDGET:
         return None
     return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}

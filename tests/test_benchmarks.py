@@ -282,3 +282,16 @@ def test_scan_unroll_smoke(tmp_path):
         assert finite(row[key]) and row[key] > 0
     assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
     assert len(row["all"]["step_s"]["rolled"]) == scan_unroll.SMOKE.rounds
+
+
+@pytest.mark.slow  # the revision comes from git
+def test_rare_programs_smoke(tmp_path):
+    from benchmarks import rare_programs
+
+    rare_programs.run(rare_programs.SMOKE, out_dir=tmp_path, log=quiet)
+    saved = json.loads((tmp_path / "rare_programs.json").read_text())
+    (row,) = saved["rows"]
+    assert f"| 1 x 32 | {row['params']:,} |" in (tmp_path / "rare_programs.md").read_text()
+    for key in ("compile_defaults_s", "compile_unoptimised_s", "run_defaults_ms", "run_unoptimised_ms"):
+        assert finite(row[key]) and row[key] > 0
+    assert row["compile_saved_s"] == row["compile_defaults_s"] - row["compile_unoptimised_s"]

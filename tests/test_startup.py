@@ -313,14 +313,16 @@ def test_a_process_waits_for_its_coordinator_to_listen_before_joining():
 
 def test_small_models_build_their_state_with_unoptimised_programs_on_cpu(monkeypatch):
     """The programs that run once (the model's and the state's initialisation) compile at LLVM level 0 with
-    XLA:CPU's older fusion emitters for small models, a fraction of a cold start's compile; large models and
-    accelerators keep XLA's defaults. The model built that way matches the optimised build to float32 rounding."""
-    from eqx_diloco._rare_programs import SMALL_MODEL_PARAMS, rare_program_options
+    XLA:CPU's older fusion emitters while parameters x runs stay within the budget; beyond it, and on
+    accelerators, XLA's defaults. The model built that way matches the optimised build to float32 rounding."""
+    from eqx_diloco._rare_programs import UNOPTIMISED_BUDGET, rare_program_options
     from eqx_diloco.lm import _core
 
-    assert rare_program_options(1000, backend="cpu") == {"xla_backend_optimization_level": 0,
-                                                         "xla_cpu_use_fusion_emitters": False}
-    assert rare_program_options(SMALL_MODEL_PARAMS + 1, backend="cpu") is None
+    unoptimised = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+    assert rare_program_options(1000, backend="cpu") == unoptimised
+    assert rare_program_options(1000, runs=UNOPTIMISED_BUDGET // 1000, backend="cpu") == unoptimised
+    assert rare_program_options(1000, runs=UNOPTIMISED_BUDGET // 1000 + 1, backend="cpu") is None
+    assert rare_program_options(UNOPTIMISED_BUDGET + 1, backend="cpu") is None
     assert rare_program_options(1000, backend="gpu") is None and rare_program_options(1000, backend="tpu") is None
     config = TransformerConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2)
     asked = []
@@ -333,54 +335,80 @@ def test_small_models_build_their_state_with_unoptimised_programs_on_cpu(monkeyp
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
+def test_the_trainer_compiles_its_syncs_unoptimised_while_the_runs_syncs_stay_within_the_budget():
+    """The syncs (and theta_g's finite check) run once a sync: unoptimised on CPU while the run's syncs
+    (steps / H, plus the final one) times the model's parameters stay within the budget."""
+    from eqx_diloco._rare_programs import UNOPTIMISED_BUDGET, rare_program_options
+    from eqx_diloco.lm._core import sync_options
+    from eqx_diloco.lm._finite import finite_check
+    from eqx_diloco.lm.trainer import Trainer
+
+    config = Config()  # the default model, 200 steps, H = 20: 11 syncs
+    num_params = config.model.num_params()
+    assert 11 * num_params <= UNOPTIMISED_BUDGET < 2000 // 20 * num_params
+    assert sync_options(config) == rare_program_options(num_params, runs=11) is not None
+    long = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2000))
+    assert sync_options(long) is None
+    small = dataclasses.replace(config, model=TransformerConfig(vocab_size=256, dim=32, num_layers=2, num_heads=2),
+                                run_dir=pathlib.Path("unused"))
+    trainer = Trainer(small, verbose=False)
+    assert trainer.core.sync_compiler_options == sync_options(small) is not None
+    assert trainer.theta_finite is finite_check(sync_options(small)) is trainer.global_finite
+
+
 @pytest.mark.parametrize("sync", [dict(num_fragments=1, sync_period=3),
                                   dict(num_fragments=2, sync_period=4, overlap_steps=1, alpha=0.5),
                                   dict(num_fragments=1, sync_period=3, outer_overlap="eager")],
                          ids=["blocking", "streaming-tau1", "eager"])
-def test_a_small_models_syncs_compile_unoptimised_and_compute_what_optimised_syncs_do(monkeypatch, sync):
-    """A sync's programs (blocking, streamed and overlapped) run once a sync: a small model's compile with
-    `rare_program_options` on CPU. Training through them ends where training through XLA's defaults does."""
+def test_syncs_compiled_unoptimised_compute_what_optimised_syncs_do(sync):
+    """`sync_compiler_options` reaches every sync program (blocking, streamed and overlapped), and training
+    through unoptimised syncs ends where training through XLA's defaults does."""
     import optax
     from custom_model import StackedMLP, loss_fn, make_batch
-
-    from eqx_diloco import DiLoCo, _programs
+    from eqx_diloco import DiLoCo
     from eqx_diloco._rare_programs import rare_program_options
 
     model = StackedMLP(key=jax.random.key(0))
-    num_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
 
     def train(options):
-        asked = []
-        monkeypatch.setattr(_programs, "rare_program_options", lambda n: asked.append(n) or options)
         diloco = DiLoCo(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=2, inner_optimizer=optax.adam(1e-2),
-                        **sync)
+                        sync_compiler_options=options, **sync)
         state = diloco.init(model)
         for step in range(2 * sync["sync_period"] + 1):
             state, _ = diloco.step(state, make_batch(step, 2))
-        state, _ = diloco.settle(state)
-        assert asked == [num_params]
-        return state
+        return diloco.settle(state)[0]
 
-    unoptimised, optimised = train(rare_program_options(num_params)), train(None)
-    assert rare_program_options(num_params) is not None  # the case under test: a small model on CPU
-    with pytest.raises(jax.errors.JaxRuntimeError, match="no_such_option"):  # the options reach the syncs' compiles
-        train({"no_such_option": 1})
+    unoptimised, optimised = train(rare_program_options(1000)), train(None)
     for a, b in zip(jax.tree.leaves((unoptimised.global_params, unoptimised.params)),
                     jax.tree.leaves((optimised.global_params, optimised.params)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="no_such_option"):  # the options reach the syncs' compiles
+        train({"no_such_option": 1})
 
 
-def test_the_finite_check_of_a_small_model_compiles_unoptimised_and_finds_what_the_optimised_one_does():
+def test_sync_compiler_options_must_be_a_dict():
+    import optax
+    from custom_model import loss_fn
+    from eqx_diloco import ConfigError, DiLoCo
+
+    with pytest.raises(ConfigError, match=r"^sync_compiler_options must be a dict of XLA compiler options, or None "
+                                          r"\(got 'O0'\)$"):
+        DiLoCo(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=2, sync_period=3,
+               inner_optimizer=optax.adam(1e-2), sync_compiler_options="O0")
+
+
+def test_the_finite_check_compiled_unoptimised_finds_what_the_optimised_one_does():
     import jax.numpy as jnp
 
-    from eqx_diloco._rare_programs import SMALL_MODEL_PARAMS
+    from eqx_diloco._rare_programs import rare_program_options
     from eqx_diloco.lm._finite import _all_finite, all_finite, finite_check
 
-    assert finite_check(10) is finite_check(1000) and finite_check(10) is not finite_check(SMALL_MODEL_PARAMS + 1)
+    unoptimised = finite_check(rare_program_options(1000))
+    assert unoptimised is finite_check(rare_program_options(10)) and unoptimised is not finite_check(None)
     optimised = jax.jit(_all_finite)
     for tree in [{"a": jnp.ones(3), "b": jnp.zeros((2, 2))}, {"a": jnp.array([1.0, jnp.nan]), "n": jnp.arange(3)},
                  {"a": jnp.array([jnp.inf]), "b": jnp.ones(2)}, {"n": jnp.arange(2)}]:
-        assert bool(all_finite(tree)) == bool(optimised(tree)) == all(
+        assert bool(all_finite(tree)) == bool(unoptimised(tree)) == bool(optimised(tree)) == all(
             bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact))
 
 

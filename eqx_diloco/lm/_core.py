@@ -28,6 +28,13 @@ def new_model(config: TransformerConfig, key) -> Transformer:
     return _model_builder(_options_key(config.num_params()))(config, key)
 
 
+def sync_options(config: Config) -> dict | None:
+    """`compiler_options` of the sync programs and the global finite check: each runs once a sync, so
+    unoptimised on CPU where the run's syncs over the model's parameters stay within the budget."""
+    syncs = config.train.steps // config.diloco.sync_period + 1  # the last one: the final sync
+    return rare_program_options(config.model.num_params(), runs=syncs)
+
+
 def _options_key(num_params: int) -> tuple:
     """`rare_program_options` as sorted items (a cache key for the compiled programs below)."""
     return tuple(sorted((rare_program_options(num_params) or {}).items()))
@@ -110,6 +117,7 @@ def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
             comm_mesh=comm_mesh,
             param_specs=transformer_specs(config.mesh.fsdp, config.mesh.tensor),
             outer_state_memory=d.outer_state_memory if diloco else "device",
+            sync_compiler_options=sync_options(config),
         )
         core.abstract(abstract_model)
     except ConfigError as e:

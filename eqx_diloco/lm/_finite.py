@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import NonFiniteError
-from .._rare_programs import rare_program_options
 from .._replica_values import replicated_value
 
 
@@ -19,10 +18,10 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
 
 
-def finite_check(num_params: int):
-    """`all_finite`'s jitted program for trees of `num_params` values. It runs once a sync: for a small
-    model, compiled unoptimised on CPU (`rare_program_options`)."""
-    return _checker(tuple(sorted((rare_program_options(num_params) or {}).items())))
+def finite_check(options: dict | None = None):
+    """`all_finite` as a program compiled with XLA `options` (the trainer gives it the sync programs': it
+    runs once a sync)."""
+    return _checker(tuple(sorted((options or {}).items())))
 
 
 @functools.cache
@@ -32,7 +31,7 @@ def _checker(options: tuple):
 
 def all_finite(tree) -> jax.Array:
     """Whether every float leaf of `tree` is finite (one boolean scalar, computed where the arrays live)."""
-    return finite_check(sum(x.size for x in jax.tree.leaves(tree)))(tree)
+    return finite_check()(tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from .._tree import row_finite
 from ._banner import finished_message, format_summary
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
 from ._devices import fail_for_test, slow_down, slowdown_s
-from ._finite import FiniteChecks, all_finite, finite_check
+from ._finite import FiniteChecks, finite_check
 from ._hooks import Hook
 from ._phases import mark
 from ._reporting import Reporter
@@ -87,11 +87,11 @@ class Trainer:
             self.router_drift = jax.jit(lambda state: router_drift(state.params, flags))
         self.lr_schedule = inner_schedule(t)
         self.batch_sharding = NamedSharding(self.mesh, BATCH_SPEC)
-        # Eager anchors are per replica: one flag per row, read with the metrics. all_finite over
-        # them would be a collective across processes, which on a slow link waits behind the
-        # exchange just launched.
+        # Eager anchors are per replica: one flag per row, read with the metrics (one flag over them would
+        # be a collective across processes, on a slow link waiting behind the exchange just launched).
         self._row_finite = jax.jit(row_finite, out_shardings=NamedSharding(self.mesh, PartitionSpec("diloco")))
-        self.global_finite = self._row_finite if core.outer_overlap == "eager" else finite_check(config.model.num_params())
+        self.theta_finite = finite_check(core.sync_compiler_options)  # theta_g's check, once a sync
+        self.global_finite = self._row_finite if core.outer_overlap == "eager" else self.theta_finite
         self.checks = FiniteChecks(t.on_nonfinite)
         self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, PartitionSpec()))
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
@@ -133,7 +133,7 @@ class Trainer:
         for finite in finished:
             self.checks.check_sync(t, self.gather({"f": finite})["f"])
         if finished:
-            self.checks.check_global(t, all_finite(state.global_params))
+            self.checks.check_global(t, self.theta_finite(state.global_params))
         return state
 
     def final_sync(self, state: TrainState, t: int) -> tuple[TrainState, list[int]]:
@@ -144,7 +144,7 @@ class Trainer:
         state = self.install_pending(state)  # flags of the syncs in flight, checked across processes
         stale = self.core.stale_groups(t)
         state = self.core.finish(state)
-        self.checks.check_global(t, all_finite(state.global_params))
+        self.checks.check_global(t, self.theta_finite(state.global_params))
         return state, stale
 
     # -- the run -----------------------------------------------------------------------
