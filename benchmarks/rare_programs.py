@@ -11,7 +11,8 @@ size and variant (XLA's defaults; LLVM level 0 with XLA:CPU's older fusion emitt
 - run: the median of `runs` calls, each waited for, after one untimed call.
 
 From these: the extra run time of unoptimised code per parameter per sync, and the syncs after
-which it has cost what its faster compile saved. This is the evidence behind
+which it has cost what its faster compile saved. The evaluation of the global model (32 sequences
+of 128 tokens, the CLI's defaults) is timed the same way, to show why it keeps XLA's defaults. This is the evidence behind
 `eqx_diloco/_rare_programs.py` (`UNOPTIMISED_BUDGET`). Run `python -m benchmarks.rare_programs
 --help`; about a minute. Output in `--out-dir` (default `runs/benchmarks/rare_programs_default`;
 committed results only with `--out-dir benchmarks/results`): `rare_programs.json`, `rare_programs.md`.
@@ -60,6 +61,28 @@ def _core(num_layers: int, dim: int, options: dict | None):
     return core, core.init(new_model(config, jax.random.key(0))), config.num_params()
 
 
+def _evaluation_seconds(core, state, options: dict | None, runs: int) -> tuple[float, float]:
+    """(compile, median run) of the global model's evaluation compiled with `options`."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    from models.transformer import lm_loss
+
+    model = core.global_model(state)
+    tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, 256, (32, 129)), jax.numpy.int32)
+    program = eqx.filter_jit(lambda m, t: lm_loss(m, t)[1]["ce"], compiler_options=options)
+    start = time.perf_counter()
+    jax.block_until_ready(program(model, tokens))
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(program(model, tokens))
+        times.append(time.perf_counter() - start)
+    return compile_s - min(times), statistics.median(times)
+
+
 def measure(s: Settings, num_layers: int, dim: int, log) -> dict[str, Any]:
     import jax
 
@@ -83,6 +106,8 @@ def measure(s: Settings, num_layers: int, dim: int, log) -> dict[str, Any]:
             jax.block_until_ready((state, finite))
             runs.append(time.perf_counter() - start)
         row[f"compile_{name}_s"], row[f"run_{name}_ms"] = min(compiles), 1e3 * statistics.median(runs)
+        compile_s, run_s = _evaluation_seconds(core, state, options, min(s.runs, 10))
+        row[f"eval_compile_{name}_s"], row[f"eval_run_{name}_ms"] = compile_s, 1e3 * run_s
     row["compile_saved_s"] = row["compile_defaults_s"] - row["compile_unoptimised_s"]
     row["extra_ns_per_param"] = 1e6 * (row["run_unoptimised_ms"] - row["run_defaults_ms"]) / row["params"]
     extra_s = (row["run_unoptimised_ms"] - row["run_defaults_ms"]) / 1e3
@@ -103,13 +128,21 @@ def report(result: dict[str, Any]) -> str:
         ("extra run time per parameter", "extra_ns_per_param", lambda v: f"{v:.0f} ns"),
         ("syncs to break even", "break_even_syncs", lambda v: f"{v:.0f}"),
     ])
+    evaluation = common.markdown_table(result["rows"], [
+        ("model (layers x width)", "shape", None),
+        ("evaluation compile, defaults", "eval_compile_defaults_s", lambda v: f"{v:.2f} s"),
+        ("evaluation compile, unoptimised", "eval_compile_unoptimised_s", lambda v: f"{v:.2f} s"),
+        ("evaluation run, defaults", "eval_run_defaults_ms", lambda v: f"{v:.1f} ms"),
+        ("evaluation run, unoptimised", "eval_run_unoptimised_ms", lambda v: f"{v:.1f} ms"),
+    ])
     return "\n".join([
         "# A sync program: XLA's defaults vs unoptimised (LLVM level 0, older fusion emitters)", "",
         (f"Revision {result['revision']}; {result['machine']['backend']}, 2 simulated devices (R = 2) held to one "
          f"core of {result['machine']['cpu_count']}. The trainer's blocking sync (`sync_and_merge`); compile = fastest "
          f"of {s['compile_reps']} fresh compiles; run = median of {s['runs']} calls. Syncs to break even: the compile "
          f"time saved over the extra run time per sync."), "",
-        table, "",
+        table, "", "The global model's evaluation (32 sequences of 128 tokens; compile = first call less the "
+        "fastest run):", "", evaluation, "",
     ])
 
 
