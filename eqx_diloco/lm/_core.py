@@ -55,9 +55,9 @@ def global_model(state: TrainState) -> Transformer:
 
 @eqx.filter_jit
 def eval_loss(model: Transformer, tokens) -> jax.Array:
-    """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses). Unlike the other rare
-    programs it keeps XLA's defaults: unoptimised, the default model's evaluation ran 1.8x longer (218 vs
-    122 ms on CPU) and a run evaluates every `--train.eval-every` steps."""
+    """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses). It keeps XLA's
+    defaults, unlike the syncs: a run evaluates every `--train.eval-every` steps, and unoptimised the
+    default model's evaluation took 1.9x as long (benchmarks/results/rare_programs.md)."""
     return lm_loss(model, tokens)[1]["ce"]
 
 
