@@ -108,11 +108,12 @@ def mean_outer_gradient(
     mesh: Mesh, fmt: str, *, skip_nonfinite: bool, error_feedback: bool, exchange: str = "auto",
     num_replicas: int | None = None, specs: list[PartitionSpec] | None = None, error_feedback_decay: float = 1.0,
 ) -> Callable[[list, list, list | None], tuple[list, Array, list | None]]:
-    """shard_map'd `(replica_values, global_values, residuals) -> (mean_delta, finite, residuals)`.
+    """shard_map'd `(replica_values, global_values, residuals) -> (mean_delta, finite, residuals, every_finite)`.
 
     `replica_values` and `residuals` carry a leading replica axis sharded over `diloco`
     (K = R / mesh rows replicas per row); `global_values` and the returned mean are
-    replicated. `finite` is (R,): whether each replica's outer gradient was finite. With
+    replicated. `finite` is (R,): whether each replica's outer gradient was finite;
+    `every_finite` (replicated) whether all were, counted in the values' own collective. With
     `skip_nonfinite`, non-finite replicas are left out of the mean (if all are, the mean
     is zero). `exchange` is the collective (see `_exchange`): `auto` is one float32 psum of
     all values for format `none` without top-k, the one-shot payload all-gather at R <= 2 and the two-phase
@@ -135,7 +136,11 @@ def mean_outer_gradient(
         finite = all_rows_finite(row_finite(deltas), sharded_axes(specs))
         means, new_residuals = per_payload(specs, deltas, lambda part: replica_mean(
             part, finite, fmt=fmt, method=method, skip_nonfinite=skip_nonfinite))
-        return means, finite, new_residuals if error_feedback else None
+        # A float32 count independent of the values' exchange: XLA combines the two psums into
+        # one collective. Reducing `finite` after the shard_map was a second one, a round trip
+        # more per sync across processes.
+        every_finite = jax.lax.psum(jnp.sum((~finite).astype(jnp.float32)), "diloco") == 0
+        return means, finite, new_residuals if error_feedback else None, every_finite
 
     replica_specs, global_specs = value_specs_in(specs, True), value_specs_in(specs, False)
     residual_specs = replica_specs if error_feedback else PartitionSpec("diloco")
@@ -143,7 +148,7 @@ def mean_outer_gradient(
         body,
         mesh=mesh,
         in_specs=(replica_specs, global_specs, residual_specs),
-        out_specs=(global_specs, PartitionSpec("diloco"), residual_specs),
+        out_specs=(global_specs, PartitionSpec("diloco"), residual_specs, PartitionSpec()),
     )
 
 
@@ -292,7 +297,7 @@ class OuterSync:
         """(replica values, global values, outer state, residuals) -> (global, outer state, finite, residuals)."""
 
         def core(replica_values, global_values, outer_state, residuals):
-            mean_delta, finite, new_residuals = exchange(replica_values, global_values, residuals)
+            mean_delta, finite, new_residuals, every_finite = exchange(replica_values, global_values, residuals)
             with jax.numpy_dtype_promotion("standard"):  # optax mixes weak floats and int32 counts
                 updates, new_outer_state = self.outer_opt.update(mean_delta, outer_state, global_values)
             new_global = optax.apply_updates(global_values, updates)
@@ -301,9 +306,9 @@ class OuterSync:
             # gradient was finite and the step still was not, every flag reads False, so the host
             # raises or reports it; otherwise the flags name the replicas that caused it.
             global_ok = all_finite(new_global)
-            apply = global_ok if self.skip_nonfinite else global_ok & jnp.all(finite)
+            apply = global_ok if self.skip_nonfinite else global_ok & every_finite
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
-            finite = jnp.where(jnp.all(finite) & ~global_ok, jnp.zeros_like(finite), finite)
+            finite = jnp.where(every_finite & ~global_ok, jnp.zeros_like(finite), finite)
             return keep(new_global, global_values), keep(new_outer_state, outer_state), finite, new_residuals
 
         return core

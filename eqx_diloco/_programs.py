@@ -95,20 +95,20 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
     inner_step = make_inner_step(d.mesh, d.inner_optimizer, d.loss_fn, static, ddp=not d.is_diloco, skip_nonfinite=skip,
                                  shardings=shardings)
     outer = overlapped = None
-    rare = d.sync_compiler_options
     if d.outer_overlap != "none":
         overlapped = OverlappedOuter(
             mesh=d.mesh, comm_mesh=d.comm_mesh, groups=groups, outer_opt=d.outer_optimizer, mode=d.outer_overlap,
             fmt=d.wire, exchange=d.exchange, skip_nonfinite=skip, error_feedback=d.error_feedback,
             error_feedback_decay=d.error_feedback_decay, shardings=shardings, num_replicas=d.num_replicas, value_specs=value_specs,
-            compiler_options=rare,
+            compiler_options=d.sync_compiler_options,
         )
     elif d.is_diloco:
         outer = OuterSync(
             mesh=d.mesh, groups=groups, outer_opt=d.outer_optimizer, fmt=d.wire, alpha=d.alpha,
             skip_nonfinite=skip, error_feedback=d.error_feedback, error_feedback_decay=d.error_feedback_decay,
             shardings=shardings, comm_mesh=d.comm_mesh,
-            exchange=d.exchange, num_replicas=d.num_replicas, value_specs=value_specs, compiler_options=rare,
+            exchange=d.exchange, num_replicas=d.num_replicas, value_specs=value_specs,
+            compiler_options=d.sync_compiler_options,
         )
     all_shapes = [x.shape for x in jax.tree.leaves(abstract)]
     return Programs(

@@ -7,9 +7,9 @@ several times faster and run several times slower (benchmarks/results/rare_progr
 the default model's blocking sync compiles in 0.40 s instead of 1.89 s, then runs in 75 ms instead of
 14 ms). Unoptimised code pays while what it adds over the whole run stays under what it saves at
 the start: the sync costs 41-49 ns more per parameter per run, so 2^24 parameter-runs add at most
-about 0.8 s, against 1.4-1.5 s of compilation saved. The evaluation keeps XLA's defaults: it runs
-about twice as long unoptimised, and a run evaluates every `--train.eval-every` steps. Accelerators compile these programs quickly:
-they keep XLA's defaults, as does every program that runs at every step.
+about 0.8 s, against 1.4-1.5 s of compilation saved. An evaluation runs about twice as long
+unoptimised, and a run evaluates again and again: it keeps XLA's defaults, as does every program
+that runs at every step. Accelerators compile these programs quickly: they keep the defaults.
 """
 
 from typing import Any

@@ -122,3 +122,21 @@ def test_a_sync_applies_nesterov_sgd_to_the_mean_outer_gradient_and_replaces_the
     _assert_leaves_close(state.global_params, optax.apply_updates(leaves, updates), rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.global_params), strict=True):
         np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))  # alpha = 0: replicas replaced
+
+
+@pytest.mark.parametrize("quantize, on_nonfinite, want", [
+    ("none", "stop", ["all-reduce"]), ("none", "skip", ["all-reduce"]),
+    ("int4", "stop", ["all-gather", "all-gather", "all-reduce"]),
+])
+def test_a_blocking_sync_crosses_the_replicas_in_as_few_collectives_as_its_exchange_needs(quantize, on_nonfinite, want):
+    """Whether every replica's outer gradient was finite is counted inside the exchange, in one collective
+    with the values' psum (or the quantized exchange's count): across processes each collective costs a
+    round trip, so a float32 sync is one all-reduce, not one for the values and one for the flags."""
+    import re
+
+    diloco = DiLoCo(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=2, sync_period=3,
+                    inner_optimizer=optax.adam(1e-2), quantize=quantize, on_nonfinite=on_nonfinite)
+    state = diloco.init(MODEL)
+    text = diloco.outer._fns["sync_and_merge"][0].lower(state).compile().as_text()
+    collectives = re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", text)
+    assert sorted(collectives) == want

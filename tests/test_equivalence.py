@@ -68,11 +68,11 @@ def test_shard_map_outer_mean_equals_vmap_reference(grid, exchange):
     globals_ = [jax.random.normal(keys[2], (5, 3)), jax.numpy.zeros((7,))]
     replicas = jax.device_put(replicas, NamedSharding(mesh, P("diloco")))
     exchange = mean_outer_gradient(mesh, "none", skip_nonfinite=False, error_feedback=False, exchange=exchange)
-    mean, finite, _ = jax.jit(exchange)(replicas, globals_, None)
+    mean, finite, _, every_finite = jax.jit(exchange)(replicas, globals_, None)
     reference = jax.vmap(lambda r: [g - x for g, x in zip(globals_, r)])(replicas)
     for got, ref in zip(mean, reference):
         np.testing.assert_allclose(got, np.mean(ref, axis=0), rtol=1e-6, atol=1e-6)
-    assert np.asarray(finite).tolist() == [True] * R
+    assert np.asarray(finite).tolist() == [True] * R and bool(every_finite)
 
 
 @pytest.mark.slow

@@ -63,12 +63,12 @@ def test_quantized_sync_sends_each_devices_own_shard():
     residuals = [jnp.zeros((R, *s)) for s in shapes]
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
     exchange = jax.jit(mean_outer_gradient(mesh, "int4", skip_nonfinite=False, error_feedback=True, specs=specs))
-    mean, finite, errors = exchange(
+    mean, finite, errors, every_finite = exchange(
         [put(x, PartitionSpec("diloco", *s)) for x, s in zip(replica_values, specs)],
         [put(x, s) for x, s in zip(global_values, specs)],
         [put(x, PartitionSpec("diloco", *s)) for x, s in zip(residuals, specs)],
     )
-    assert np.all(np.asarray(finite))
+    assert np.all(np.asarray(finite)) and bool(every_finite)
     # Reference: device (f, t) of replica r sends its block of the first value as one payload; the
     # second value (replicated in the island) travels in a payload of its own.
     deltas = [-np.asarray(x) for x in replica_values]
