@@ -133,6 +133,13 @@ def test_the_runtimes_report_of_a_lost_peer_becomes_one_line():
     assert list(filter_lines([*other, *lines, ours], 0, 2, 10)) == [*other, ours]
     assert list(filter_lines([ours, *lines], 0, 2, 10)) == [ours]
     assert list(filter_lines(lines[:4], 1, 2, 10)) == []  # reports without the abort: dropped, nothing added
+    # The abort's native stack trace, written while the trainer wrote its line: frames after that line,
+    # or one at its very end, are the runtime's too.
+    trace = ["*** Check failure stack trace: ***\n", "    @     0x7f13748eb505  std::_Function_handler<>::_M_invoke()\n",
+             "    @     0x7f137489a82e  absl::log_internal::LogMessageFatal::~LogMessageFatal()\n"]
+    assert list(filter_lines([*lines, ours, *trace], 0, 2, 10)) == [ours]
+    assert list(filter_lines([*lines, ours.rstrip("\n") + trace[1], *trace[2:]], 0, 2, 10)) == [ours]
+    assert list(filter_lines([*trace, "some output\n"], 0, 2, 10)) == [*trace, "some output\n"]  # no runtime record
 
 
 # -- the run folder -------------------------------------------------------------------------------

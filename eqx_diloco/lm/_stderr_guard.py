@@ -24,18 +24,27 @@ _RECORD = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([\w./-]+):\d+\] "
 _RUNTIME_FILES = ("coordination_service.cc", "coordination_service_agent.cc", "client.h", "client.cc")
 # Said by the runtime when it is about to abort the process.
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+# The abort's native stack trace: a banner, then one line per frame ("    @     0x7f13748eb505  fn()").
+# Written while the trainer may be writing its own line, so frames can follow that line, or even
+# land at its end.
+_NATIVE_TRACE = re.compile(r"\s*(@\s+0x[0-9a-fA-F]+\s.*|\*\*\* Check failure stack trace: \*\*\*)\s*$")
 
 
 def filter_lines(lines: Iterable[str], process_id: int, num_processes: int, heartbeat_s: int) -> Iterator[str]:
     """`lines` without the distributed runtime's records, then (if it was about to abort the
     process and no line starting with `error: ` came through) one line saying what it reported."""
-    swallowing = fatal = said_error = False
+    swallowing = fatal = said_error = runtime_seen = False
     lost: list[int] = []
     for line in lines:
+        if runtime_seen and (trace := _NATIVE_TRACE.search(line)):
+            line = line[:trace.start()] + "\n" if line[:trace.start()].strip() else ""
+            if not line:
+                continue
         record = _RECORD.match(line)
         if record or line.startswith(("error: ", "Traceback")):
             swallowing = bool(record) and record[1] in _RUNTIME_FILES
         if swallowing:
+            runtime_seen = True
             fatal = fatal or _FATAL in line
             if line.strip().isdigit() and int(line.strip()) not in lost:
                 lost.append(int(line.strip()))  # the task ids listed under "... stopped sending heartbeats):"
