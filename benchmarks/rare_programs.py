@@ -109,8 +109,8 @@ def measure(s: Settings, num_layers: int, dim: int, log) -> dict[str, Any]:
         compile_s, run_s = _evaluation_seconds(core, state, options, min(s.runs, 10))
         row[f"eval_compile_{name}_s"], row[f"eval_run_{name}_ms"] = compile_s, 1e3 * run_s
     row["compile_saved_s"] = row["compile_defaults_s"] - row["compile_unoptimised_s"]
-    row["extra_ns_per_param"] = 1e6 * (row["run_unoptimised_ms"] - row["run_defaults_ms"]) / row["params"]
     extra_s = (row["run_unoptimised_ms"] - row["run_defaults_ms"]) / 1e3
+    row["extra_ns_per_param"] = 1e9 * extra_s / row["params"]
     row["break_even_syncs"] = row["compile_saved_s"] / extra_s if extra_s > 0 else float("inf")
     log(f"  {row['shape']} ({row['params']:,} parameters): compile {row['compile_defaults_s']:.2f} -> "
         f"{row['compile_unoptimised_s']:.2f} s, run {row['run_defaults_ms']:.2f} -> {row['run_unoptimised_ms']:.2f} ms")
@@ -141,8 +141,8 @@ def report(result: dict[str, Any]) -> str:
          f"core of {result['machine']['cpu_count']}. The trainer's blocking sync (`sync_and_merge`); compile = fastest "
          f"of {s['compile_reps']} fresh compiles; run = median of {s['runs']} calls. Syncs to break even: the compile "
          f"time saved over the extra run time per sync."), "",
-        table, "", "The global model's evaluation (32 sequences of 128 tokens; compile = first call less the "
-        "fastest run):", "", evaluation, "",
+        table, "", ("The global model's evaluation (32 sequences of 128 tokens; compile = first call less the "
+                    "fastest run):"), "", evaluation, "",
     ])
 
 

@@ -26,3 +26,8 @@ def rare_program_options(num_params: int, *, runs: int = 1, backend: str | None 
     if (backend or jax.default_backend()) != "cpu" or num_params * max(runs, 1) > UNOPTIMISED_BUDGET:
         return None
     return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def options_key(options: dict[str, Any] | None) -> tuple:
+    """`compiler_options` as sorted items: a hashable key for a cache of programs compiled with them."""
+    return tuple(sorted((options or {}).items()))

@@ -13,7 +13,7 @@ from models import Transformer, TransformerConfig
 from models.transformer import lm_loss
 
 from .._diloco import DiLoCo
-from .._rare_programs import rare_program_options
+from .._rare_programs import options_key, rare_program_options
 from .._sharding import fsdp_specs
 from .._state import TrainState
 from ._devices import make_meshes
@@ -25,7 +25,7 @@ def new_model(config: TransformerConfig, key) -> Transformer:
     """A freshly initialised model, built by one compiled program: built eagerly, each of its
     initialisers' operations is a program of its own, dozens to compile on a cold start. It runs
     once, so a small model's is compiled unoptimised on CPU (`rare_program_options`)."""
-    return _model_builder(_options_key(config.num_params()))(config, key)
+    return _model_builder(options_key(rare_program_options(config.num_params())))(config, key)
 
 
 def sync_options(config: Config) -> dict | None:
@@ -35,14 +35,10 @@ def sync_options(config: Config) -> dict | None:
     return rare_program_options(config.model.num_params(), runs=syncs)
 
 
-def _options_key(num_params: int) -> tuple:
-    """`rare_program_options` as sorted items (a cache key for the compiled programs below)."""
-    return tuple(sorted((rare_program_options(num_params) or {}).items()))
-
 
 @functools.cache
 def _model_builder(options: tuple):
-    """The compiled builder for one set of compiler options (as sorted items, to be a cache key)."""
+    """The compiled builder for one set of compiler options (`options_key`)."""
     return eqx.filter_jit(lambda config, key: Transformer(config, key=key), compiler_options=dict(options) or None)
 
 

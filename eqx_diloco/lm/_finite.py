@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import NonFiniteError
+from .._rare_programs import options_key
 from .._replica_values import replicated_value
 
 
@@ -21,7 +22,7 @@ def _all_finite(tree) -> jax.Array:
 def finite_check(options: dict | None = None):
     """`all_finite` as a program compiled with XLA `options` (the trainer gives it the sync programs': it
     runs once a sync)."""
-    return _checker(tuple(sorted((options or {}).items())))
+    return _checker(options_key(options))
 
 
 @functools.cache

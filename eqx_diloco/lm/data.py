@@ -23,7 +23,9 @@ def corpus_bytes(max_bytes: int) -> bytes:
     Every Python installation ships them, so nothing is downloaded.
     """
     chunks, total = [], 0
-    for path in _stdlib_sources(Path(sysconfig.get_paths()["stdlib"])):
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = _stdlib_sources(stdlib) if not _NOT_THE_STDLIB.intersection(stdlib.parts) else ()
+    for path in sources:
         try:
             data = path.read_bytes()
         except OSError:
@@ -42,8 +44,6 @@ def _stdlib_sources(root: Path):
     """The `.py` files under `root` in sorted path order, without the installed packages and the test
     suites. A walk that never enters those folders and stops when the reader does: listing the
     whole tree first (site-packages included) took longer than the reading."""
-    if _NOT_THE_STDLIB.intersection(root.parts):
-        return
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError:
