@@ -32,9 +32,13 @@ Scenarios:
      final run's steps plus each loss's `lost_steps` times the islands that lost them;
    - the survivors' longest step gap around each kill, over their median step time: `decoupled`, from
      the islands' own step lines (every island training at the kill, from its last step line before
-     the kill to the next kill or 20 s after), beside the longest gap of the failure-free run;
-     `elastic`, the run's stall at the loss and at the rejoin (its `stalled_s` events);
+     the kill to the next kill or 20 s after), beside the same islands' longest gap over the same
+     stretch of the failure-free run (the machine's own jitter); `elastic`, the run's stall at the
+     loss and at the rejoin (its `stalled_s` events);
    - wall time and final eval loss.
+4. **long_steps**: the failures scenario for the decoupled modes at `LONG_STEP_BATCH` sequences per
+   island step (`LONG_STEP_STEPS` steps): a step of several hundred ms, against which the jitter of 4
+   islands and a syncer sharing 2 cores is small, so what a kill itself costs the survivors shows.
 
 Pinned: 4 islands, 2 layers of width 64, 2 heads, 8 sequences of 128 tokens per island step, the embedded
 corpus (first 1 MB, contiguous shares), `--diloco.sync-period 10`, int4 outer gradients with error
@@ -67,12 +71,13 @@ from benchmarks import _common as common
 from benchmarks._elastic.observe import read_jsonl
 
 ISLANDS = 4
-TOKENS_PER_STEP = 8 * 128
+BATCH, SEQ_LEN = 8, 128
+LONG_STEP_BATCH, LONG_STEP_STEPS = 48, 200
 KILL_EVERY_S = 25.0
 MAX_KILLS = 3
 TARGET_FACTOR = 1.05
-FLAGS = ["--model.num-layers", "2", "--model.dim", "64", "--model.num-heads", "2", "--train.batch-size", "8",
-         "--train.seq-len", "128", "--data.source", "corpus", "--data.max-corpus-bytes", "1000000",
+FLAGS = ["--model.num-layers", "2", "--model.dim", "64", "--model.num-heads", "2",
+         "--train.seq-len", str(SEQ_LEN), "--data.source", "corpus", "--data.max-corpus-bytes", "1000000",
          "--diloco.sync-period", "10", "--diloco.quantize", "int4", "--diloco.error-feedback",
          "--train.eval-every", "25", "--train.eval-sequences", "16", "--checkpoint.every", "0", "--train.log-every", "1"]
 MODES = {"smoke": dict(steps=30, seeds=1, failure_seeds=0, slow=False, failure_steps=0),
@@ -95,12 +100,15 @@ class Run:
     """One launcher run, observed every 20 ms: evaluations as they appear, the first step, kills."""
 
     def __init__(self, kind: str, seed: int, steps: int, work: pathlib.Path, cache: pathlib.Path, *,
-                 slow_s: float = 0.0, kills: list[float] | None = None, kill_seed: int = 0):
+                 slow_s: float = 0.0, kills: list[float] | None = None, kill_seed: int = 0, batch: int = BATCH):
         self.kind, self.seed = kind, seed
-        self.run_dir = work / f"{kind}_seed{seed}_{steps}_{'kills' if kills else 'slow' if slow_s else 'equal'}"
+        self.tokens_per_step = batch * SEQ_LEN
+        self.run_dir = work / (f"{kind}_seed{seed}_{steps}_{'kills' if kills else 'slow' if slow_s else 'equal'}"
+                               f"_batch{batch}")
         shutil.rmtree(self.run_dir, ignore_errors=True)
         launcher = ["--num-processes", str(ISLANDS), "--grace-s", "20", "--log-dir", str(self.run_dir) + "_logs"]
-        trainer = ["--run-dir", str(self.run_dir), *FLAGS, "--train.steps", str(steps), "--train.seed", str(seed)]
+        trainer = ["--run-dir", str(self.run_dir), *FLAGS, "--train.batch-size", str(batch),
+                   "--train.steps", str(steps), "--train.seed", str(seed)]
         self.decoupled = kind.startswith("decoupled")
         if self.decoupled:
             launcher = ["--decoupled", *launcher]
@@ -197,14 +205,14 @@ class Run:
             summary = json.loads((self.run_dir / "syncer" / "summary.json").read_text())
             steps = {k: [r for r in read_jsonl(self.run_dir / f"island-{k}" / "metrics.jsonl") if "loss" in r]
                      for k in range(ISLANDS)}
-            computed = TOKENS_PER_STEP * sum(len(v) for v in steps.values())
+            computed = self.tokens_per_step * sum(len(v) for v in steps.values())
             return {"tokens_merged": summary["tokens_merged"], "tokens_computed": computed,
                     "step_times": {k: [r["time"] for r in v] for k, v in steps.items()},
                     "merges_by_grace": summary["merges_by_grace"], "merges": summary["merges"]}
         records = read_jsonl(self.run_dir / "metrics.jsonl")
-        merged = TOKENS_PER_STEP * sum(len(r["replica_losses"]) for r in records if "replica_losses" in r)
+        merged = self.tokens_per_step * sum(len(r["replica_losses"]) for r in records if "replica_losses" in r)
         lost = [r for r in records if r.get("event") == "island_lost"]
-        computed = merged + TOKENS_PER_STEP * sum(r["lost_steps"] * (r["live_replicas"] + 1) for r in lost)
+        computed = merged + self.tokens_per_step * sum(r["lost_steps"] * (r["live_replicas"] + 1) for r in lost)
         stalls = [r["stalled_s"] for r in records if r.get("event") in ("island_lost", "island_rejoined")]
         step_times = [r["time"] for r in records if "replica_losses" in r]
         return {"tokens_merged": merged, "tokens_computed": computed, "stalls_s": stalls,
@@ -218,25 +226,45 @@ def median_step_s(run: dict) -> float:
     return statistics.median(gaps)
 
 
-def kill_gaps(run: dict, horizon_s: float = 20.0) -> list[float]:
-    """Per kill, the survivors' longest gap between step lines from the kill to the next kill (or horizon)."""
+def kill_windows(run: dict, horizon_s: float = 20.0) -> list[tuple[float, float, list[str]]]:
+    """Per kill: (start, end, survivors): from the kill to the next kill (or `horizon_s` later), and the
+    islands training through it (not the killed one, nor one killed before and not back yet)."""
     out = []  # the islands' `time` and the kills' `wall_s` share one origin ($EQX_DILOCO_RUN_T0)
     kills = run["kills"]
     for i, kill in enumerate(kills):
         start = kill["wall_s"]
         end = min(start + horizon_s, kills[i + 1]["wall_s"] if i + 1 < len(kills) else float("inf"))
-        longest = 0.0
+        survivors = []
         for island, times in run["step_times"].items():
             earlier = [k["wall_s"] for k in kills[:i] if k["island"] == island]
             down = earlier and not any(earlier[-1] < t <= start for t in times)  # killed before, not back yet
-            if island == kill["island"] or down:
-                continue
-            before = [t for t in times if t <= start][-1:]
-            inside = [t for t in times if start < t <= end]
-            series = before + inside
-            longest = max([longest] + [b - a for a, b in zip(series, series[1:])])
-        out.append(longest)
+            if str(island) != str(kill["island"]) and not down:
+                survivors.append(island)
+        out.append((start, end, survivors))
     return out
+
+
+def longest_gap(run: dict, start: float, end: float, islands: list[str]) -> float:
+    """The longest gap between consecutive step lines of `islands` from their last line before `start`
+    to `end`."""
+    longest = 0.0
+    for island in islands:
+        times = run["step_times"][island]
+        series = [t for t in times if t <= start][-1:] + [t for t in times if start < t <= end]
+        longest = max([longest] + [b - a for a, b in zip(series, series[1:])])
+    return longest
+
+
+def kill_gaps(run: dict, calm: dict | None = None) -> tuple[list[float], list[float] | None]:
+    """Per kill, the survivors' longest step gap around it; and with `calm` (the failure-free run of the
+    same seed and steps) the same islands' longest gap over the same stretch of training (the windows
+    moved by the difference of the two runs' first steps): what the machine's jitter gives without kills."""
+    windows = kill_windows(run)
+    gaps = [longest_gap(run, *w) for w in windows]
+    if calm is None:
+        return gaps, None
+    shift = calm["first_step_s"] - run["first_step_s"]
+    return gaps, [longest_gap(calm, start + shift, end + shift, islands) for start, end, islands in windows]
 
 
 def time_to_target(run: dict, target: float) -> float | None:
@@ -258,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=pathlib.Path, default=None)
     parser.add_argument("--work-dir", type=pathlib.Path, default=None, help="run folders (default: temporary)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
-    parser.add_argument("--scenarios", default="equal,slow,failures",
+    parser.add_argument("--scenarios", default="equal,slow,failures,long_steps",
                         help="which to run (comma-separated); the others are kept from --out-dir's decoupled.json")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
-    if not scenarios <= {"equal", "slow", "failures"}:
-        parser.error(f"--scenarios takes equal, slow, failures (got {args.scenarios})")
+    if not scenarios <= {"equal", "slow", "failures", "long_steps"}:
+        parser.error(f"--scenarios takes equal, slow, failures, long_steps (got {args.scenarios})")
     mode = args.mode or "quick"
     pinned = MODES[mode]
     out_dir = args.out_dir or common.default_out_dir("decoupled", mode)
@@ -296,14 +324,15 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads((out_dir / "decoupled.json").read_text())
         equal = result["equal"]
         for scenario in scenarios:  # measured again below
-            for key in {"slow": ["slow"], "failures": ["failure_free", "failures"]}[scenario]:
+            for key in {"slow": ["slow"], "failures": ["failure_free", "failures"],
+                        "long_steps": ["long_steps_free", "long_steps"]}[scenario]:
                 result.pop(key, None)
     sync_final = statistics.fmean(r["final_eval_loss"] for r in equal["sync"])
 
     def save() -> None:  # after each scenario: a run that fails later keeps what was measured
         out_dir.mkdir(parents=True, exist_ok=True)
         slim = json.loads(json.dumps(common.jsonable(result)))
-        for scenario in ("equal", "slow", "failure_free", "failures"):
+        for scenario in ("equal", "slow", "failure_free", "failures", "long_steps_free", "long_steps"):
             for runs in slim.get(scenario, {}).values():
                 for r in runs:
                     r.pop("step_times", None)
@@ -321,28 +350,35 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs:
                 r["time_to_target_s"] = time_to_target(r, target)
         save()
-    if pinned["failure_seeds"] and "failures" in scenarios:
-        result["revisions"]["failures"] = revision
-        long = pinned["failure_steps"]
-        result["failure_steps"] = long
-        result["failure_free"] = {kind: [run(kind, s, steps=long) for s in range(pinned["failure_seeds"])]
-                                  for kind in ("decoupled", "decoupled-no-wait", "sync")}
+    def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int) -> None:
+        result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch) for s in range(pinned["failure_seeds"])]
+                            for kind in ["sync" if k == "elastic" else k for k in kinds]}
         save()
-        result["failures"] = {}
-        for kind in ("decoupled", "decoupled-no-wait", "elastic"):
+        result[key] = {}
+        for kind in kinds:
             runs = []
             for s in range(pinned["failure_seeds"]):
-                r = run(kind, s, steps=long, kills=kill_schedule(s), kill_seed=s)
-                reference = result["failure_free"]["sync" if kind == "elastic" else kind][s]
+                r = run(kind, s, steps=steps, kills=kill_schedule(s), kill_seed=s, batch=batch)
+                reference = result[free_key]["sync" if kind == "elastic" else kind][s]
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
                 r["goodput_time"] = rate / base
                 r["goodput_wall"] = (r["tokens_merged"] / r["wall_s"]) / (reference["tokens_merged"] / reference["wall_s"])
                 r["goodput_tokens"] = r["tokens_merged"] / r["tokens_computed"]
                 if kind != "elastic":
-                    r["kill_gaps_s"] = kill_gaps(r)
+                    r["kill_gaps_s"], r["calm_gaps_s"] = kill_gaps(r, reference)
                 runs.append(r)
-            result["failures"][kind] = runs
+            result[key][kind] = runs
+        save()
+
+    if pinned["failure_seeds"] and "failures" in scenarios:
+        result["revisions"]["failures"] = revision
+        result["failure_steps"] = pinned["failure_steps"]
+        failures("failure_free", "failures", ("decoupled", "decoupled-no-wait", "elastic"), pinned["failure_steps"],
+                 BATCH)
+    if pinned["failure_seeds"] and "long_steps" in scenarios:
+        result["revisions"]["long_steps"] = revision
+        failures("long_steps_free", "long_steps", ("decoupled", "decoupled-no-wait"), LONG_STEP_STEPS, LONG_STEP_BATCH)
     save()
     print(report(result))
     if args.work_dir is None:
@@ -352,6 +388,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     return common.markdown_table([dict(zip(headers, row)) for row in rows], [(h, h, None) for h in headers])
+
+
+def _failures_table(runs_by_kind: dict) -> str:
+    rows = []
+    for kind, runs in runs_by_kind.items():
+        for r in runs:
+            if kind != "elastic":
+                median = r["median_step_s"]
+                gaps = ", ".join(f"{g:.2f}" for g in r["kill_gaps_s"])
+                calm = ", ".join(f"{g:.2f}" for g in r["calm_gaps_s"])
+                worst = (f"{max(r['kill_gaps_s'], default=0) / median:.1f}x ({gaps} s; median step {median * 1000:.0f} "
+                         f"ms); without kills {max(r['calm_gaps_s'], default=0) / median:.1f}x ({calm} s)")
+            else:
+                worst = (f"{max(r['stalls_s'], default=0) / r['median_step_s']:.0f}x (stalls "
+                         + ", ".join(f"{g:.1f}" for g in r["stalls_s"]) + f" s; median step "
+                         f"{r['median_step_s'] * 1000:.0f} ms)") if r["median_step_s"] else "-"
+            rows.append([kind, str(r["seed"]), str(len(r["kills"])), f"{r['goodput_time']:.2f} ({r['goodput_wall']:.2f})",
+                         f"{r['goodput_tokens']:.3f}", worst, f"{r['wall_s']:.1f} s", f"{r['final_eval_loss']:.4f}"])
+    return _table(["mode", "seed", "kills", "goodput, time (whole run)", "goodput (tokens)",
+                   "survivors' longest gap / median step", "wall time", "final eval loss"], rows)
 
 
 def report(result: dict) -> str:
@@ -388,26 +444,18 @@ def report(result: dict) -> str:
                   f"the first step, at most {MAX_KILLS}, a random island each (seeded); each killed island is "
                   "restarted. Goodput, time: tokens merged per second of training (from the moment every island "
                   "has stepped to the exit) over the failure-free run's (same seed and steps), and in brackets the "
-                  "same over the whole run (launch to exit); goodput (tokens): tokens merged over tokens computed.",
-                  ""]
-        rows = []
-        for kind, runs in result["failures"].items():
-            for r in runs:
-                if kind != "elastic":
-                    gaps = ", ".join(f"{g:.2f}" for g in r["kill_gaps_s"])
-                    calm = result["failure_free"][kind][r["seed"]]["longest_gap_s"]
-                    worst = f"{max(r['kill_gaps_s'], default=0) / r['median_step_s']:.1f}x ({gaps} s; median step " \
-                            f"{r['median_step_s'] * 1000:.0f} ms; longest gap without kills {calm:.2f} s)"
-                else:
-                    worst = (f"{max(r['stalls_s'], default=0) / r['median_step_s']:.0f}x (stalls "
-                             + ", ".join(f"{g:.1f}" for g in r["stalls_s"]) + f" s; median step "
-                             f"{r['median_step_s'] * 1000:.0f} ms)") if r["median_step_s"] else "-"
-                rows.append([kind, str(r["seed"]), str(len(r["kills"])),
-                             f"{r['goodput_time']:.2f} ({r['goodput_wall']:.2f})",
-                             f"{r['goodput_tokens']:.3f}", worst, f"{r['wall_s']:.1f} s", f"{r['final_eval_loss']:.4f}"])
-        lines += [_table(["mode", "seed", "kills", "goodput, time (whole run)", "goodput (tokens)",
-                                         "survivors' longest gap / median step", "wall time", "final eval loss"],
-                                        rows), ""]
+                  "same over the whole run (launch to exit); goodput (tokens): tokens merged over tokens computed. "
+                  "Survivors' longest gap: per kill, the longest time between two step lines of the islands "
+                  "training through it, from the kill to the next kill or 20 s after; beside it the same islands' "
+                  "longest gap over the same stretch of the failure-free run (its windows moved by the difference "
+                  "of the runs' first steps): the machine's own step jitter, with no kill.", ""]
+        lines += [_failures_table(result["failures"]), ""]
+    if "long_steps" in result:
+        lines += [f"## Islands killed at random, long steps ({LONG_STEP_BATCH} sequences per island step)", "",
+                  f"As above with `--train.batch-size {LONG_STEP_BATCH}` and {LONG_STEP_STEPS} steps per island, the "
+                  "decoupled modes only: with a step of several hundred ms, the 4 islands and the syncer sharing "
+                  "this machine's cores add little jitter to a step, so a stall that a kill caused would show.", ""]
+        lines += [_failures_table(result["long_steps"]), ""]
     m = result["machine"]
     revisions = ", ".join(f"{k}: {v}" for k, v in result.get("revisions", {}).items())
     lines += [f"{m['cpu_count']} CPUs, {m['platform']}, Python {m['python']}, JAX {m['jax']}; code revisions "

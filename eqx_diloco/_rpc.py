@@ -11,6 +11,9 @@ Methods of the service `eqx_diloco.Syncer`:
   `{version, theta, fastest_steps_per_s}`: one (quantized) outer gradient; the reply comes when the
   window it joined has merged (at most the grace window later).
 - `Leave {island}` -> `{}`: an island that finished.
+- `Attend {island}` -> a stream that never yields: a joined island's client keeps it open while the
+  island runs. When it closes (the island's process ended, or its link dropped) the syncer stops
+  waiting for the island at once instead of after a grace window.
 - `Status {}` -> versions, islands present, tokens merged and refused, merges so far.
 
 Every call carries the shared secret in the metadata `x-eqx-diloco-token` and is refused
@@ -24,7 +27,7 @@ import hmac
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -85,6 +88,8 @@ class SyncerService:
             self._guarded(method), request_deserializer=_identity, response_serializer=_identity)
             for name, method in [("Join", self._join), ("Push", self._push), ("Leave", self._leave),
                                  ("Status", self._status)]}
+        handlers["Attend"] = grpc.unary_stream_rpc_method_handler(
+            self._attend, request_deserializer=_identity, response_serializer=_identity)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
@@ -95,7 +100,17 @@ class SyncerService:
     def start(self) -> "SyncerService":
         self.server.start()
         self._ticker.start()
+        # Open `Attend` streams hold server threads, which the interpreter joins at exit; threading's
+        # exit callbacks run before that join, so a service never stopped still lets its process end.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self._stop_at_exit)
         return self
+
+    def _stop_at_exit(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self.server.stop(0)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stopped.set()
@@ -106,11 +121,31 @@ class SyncerService:
         while not self._stopped.wait(0.01):
             self.syncer.poll()
 
+    def _check_token(self, context: grpc.ServicerContext) -> None:
+        sent = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
+        if not hmac.compare_digest(str(sent).encode(), self.token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "refused: wrong or missing shared secret")
+
+    def _attend(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._check_token(context)
+        try:
+            message = decode(request, source=f"a request from {context.peer()}")
+            island = message["island"] if isinstance(message, dict) else None
+            self.syncer.connected(island)
+        except (Refused, WireFormatError, KeyError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
+        ended = threading.Event()
+        context.add_callback(ended.set)  # the call ended: the island closed it, or its connection dropped
+        try:
+            while context.is_active() and not self._stopped.is_set():
+                ended.wait(0.25)
+        finally:
+            self.syncer.disconnected(island)
+        yield from ()
+
     def _guarded(self, method: Callable[[dict], dict]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
-            sent = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
-            if not hmac.compare_digest(str(sent).encode(), self.token):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "refused: wrong or missing shared secret")
+            self._check_token(context)
             island = None
             try:
                 message = decode(request, source=f"a request from {context.peer()}")
@@ -194,9 +229,43 @@ class SyncerClient:
         self._calls = {name: self.channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=_identity,
                                                       response_deserializer=_identity)
                        for name in ("Join", "Push", "Leave", "Status")}
+        self._attend_call = self.channel.unary_stream(f"/{SERVICE}/Attend", request_serializer=_identity,
+                                                      response_deserializer=_identity)
+        self._attending: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._presence: Any = None
 
     def close(self) -> None:
+        self._closed.set()
+        if self._presence is not None:
+            self._presence.cancel()
         self.channel.close()
+
+    def attend(self, island: int) -> None:
+        """Keep an `Attend` stream open for `island` until `close` (a thread; once per client): the
+        syncer stops waiting for the island as soon as this process ends. Reopened with backoff after
+        the syncer restarts."""
+        if self._attending is not None:
+            return
+
+        def keep_open() -> None:
+            request, delay = encode({"island": island}), 0.05
+            while not self._closed.is_set():
+                self._presence = self._attend_call(request, metadata=self._metadata)
+                try:
+                    for _ in self._presence:
+                        pass
+                    delay = 0.05  # the syncer ended it (it stopped): reconnect to its successor
+                except grpc.RpcError as e:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                        return  # refused (a wrong secret fails the island's own calls in one line)
+                except ValueError:  # the channel was closed under the stream
+                    return
+                self._closed.wait(delay * (0.5 + random.random()))
+                delay = min(2.0, 2 * delay)
+
+        self._attending = threading.Thread(target=keep_open, name=f"attend-island-{island}", daemon=True)
+        self._attending.start()
 
     def call(self, name: str, message: dict, *, timeout: float = 600.0) -> dict:
         request = encode(message)
@@ -218,7 +287,9 @@ class SyncerClient:
                 delay = min(2.0, 2 * delay)
 
     def join(self, island: int) -> tuple[list[int], list[np.ndarray]]:
+        """Join as `island` (and `attend` it): the versions and theta_g of every fragment."""
         reply = self.call("Join", {"island": island})
+        self.attend(island)
         return list(reply["versions"]), list(reply["theta"])
 
     def push(self, *, island: int, fragment: int, base_version: int, tokens: int, fmt: str,

@@ -6,9 +6,13 @@ wraps it) and thread-safe: every island's call runs in its own server thread.
 it; it closes, and is merged, once `min_quorum` of the *present* islands are in it, or once the grace
 window has passed since it opened. An island that contributed waits for its window to close and gets
 the merged fragment back, so no island ever waits longer than the grace window. An island is present
-once it joined; it stops counting towards the quorum when a window closes by grace without it (it is
-dead or slow: the others stop waiting for it) and counts again as soon as it contributes. So a lost
-island costs the others one grace window, once.
+once it first joined; it stops counting towards the quorum when its connection closes (`disconnected`:
+its process ended or its link dropped; the others stop waiting at once), or when a window closes by
+grace without it (it is dead but its connection lingers, or it is slow), and counts again as soon as
+it contributes. An island that joins again (it restarted, or fell too far behind) is a round or more
+behind the others, so it counts only from its first contribution: no window waits for its restart.
+So a lost island whose connection closes costs the others nothing, and one that hangs costs one grace
+window, once.
 
 **Adaptive grace.** With `grace_s=None`, the grace window is `grace_factor` times the median lag of
 recent arrivals behind their window's first arrival (in windows that filled their quorum), but at
@@ -160,6 +164,8 @@ class Syncer:
         self.started = clock()
         self.joined: set[int] = set()  # islands that may contribute (joined, not dropped or left)
         self.present: set[int] = set()  # joined islands the windows wait for (not missing the last one)
+        self._joined_once: set[int] = set()  # islands that joined before: a later join is a restart
+        self._connections: dict[int, int] = {}  # open connections per island (`connected`)
         self.tokens_merged = 0.0
         self.tokens_refused = 0.0
         self.steps_per_s: dict[int, float] = {}  # each island's reported speed
@@ -205,12 +211,34 @@ class Syncer:
             raise Refused(f"island {island!r} is not one of this run's {self.num_islands} islands")
 
     def join(self, island: int) -> list[tuple[int, np.ndarray]]:
-        """A (re)starting island: it counts towards quorums again; returns (version, theta_g) per fragment."""
+        """A starting island (it counts towards quorums) or a restarting one (it counts from its first
+        contribution); returns (version, theta_g) per fragment."""
         self._check_island(island)
         with self._lock:
             self.joined.add(island)
-            self.present.add(island)
-            return [(v, t.copy()) for v, t in zip(self.versions, self.theta)]
+            if island in self._joined_once:
+                self.present.discard(island)
+            else:
+                self.present.add(island)
+            self._joined_once.add(island)
+            fragments = [(v, t.copy()) for v, t in zip(self.versions, self.theta)]
+        self.poll()
+        return fragments
+
+    def connected(self, island: int) -> None:
+        """`island` opened a connection that stays open while it runs (the service's `Attend`)."""
+        self._check_island(island)
+        with self._lock:
+            self._connections[island] = self._connections.get(island, 0) + 1
+
+    def disconnected(self, island: int) -> None:
+        """One of `island`'s connections closed; with none left it stops counting towards quorums at
+        once (its process ended or its link dropped) until it contributes again."""
+        with self._lock:
+            self._connections[island] = left = self._connections.get(island, 0) - 1
+            if left <= 0:
+                self.present.discard(island)
+        self.poll()
 
     def leave(self, island: int) -> None:
         """An island that finished: the windows stop waiting for it."""
@@ -292,8 +320,8 @@ class Syncer:
         """The grace window now, in seconds."""
         if self.grace_s is not None:
             return self.grace_s
-        if len(self._lags) < 4:
-            return self.grace_max_s  # no measurements yet: wait as long as allowed
+        if not self._lags:
+            return self.grace_max_s  # no window filled its quorum yet: wait as long as allowed
         floor = self.grace_min_s
         if self.steps_per_s:
             floor = max(floor, 2.0 / statistics.median(self.steps_per_s.values()))

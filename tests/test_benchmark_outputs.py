@@ -120,3 +120,25 @@ def test_peak_bandwidth_smoke(tmp_path):
     assert default["sent_bytes"] == frag["sent_bytes"] > 0  # the same values, split in 4 fragments
     assert 0 < frag["peak_sync_bytes"] < default["peak_sync_bytes"]
     assert frag["final_sync_line"].startswith("final sync of parameter group(s)")
+
+
+def test_decoupled_kill_gaps_take_the_survivors_and_the_same_stretch_of_the_failure_free_run():
+    from benchmarks import decoupled
+
+    def steps(start, every, count, skip=()):
+        return [round(start + every * i, 3) for i in range(count) if i not in skip]
+
+    # Island 1 is killed at 10.05 s and back at 13 s; island 2 stalls 0.9 s after the kill; island 0 is
+    # killed at 20.05 s. The failure-free run started its steps 1 s later and has one 0.5 s gap at 11.5 s.
+    run = {"first_step_s": 5.0, "kills": [{"island": 1, "wall_s": 10.05}, {"island": 0, "wall_s": 20.05}],
+           "step_times": {0: steps(5.0, 0.1, 151), 1: steps(5.0, 0.1, 51) + steps(13.0, 0.1, 100),
+                          2: steps(5.0, 0.1, 57) + steps(11.5, 0.1, 100)}}
+    calm = {"first_step_s": 6.0, "step_times": {0: steps(6.0, 0.1, 200), 1: steps(6.0, 0.1, 200),
+                                                 2: steps(6.0, 0.1, 56) + steps(12.0, 0.1, 100)}}
+    windows = decoupled.kill_windows(run)
+    assert [(round(a, 2), round(b, 2), islands) for a, b, islands in windows] == [
+        (10.05, 20.05, [0, 2]), (20.05, 40.05, [1, 2])]
+    gaps, calm_gaps = decoupled.kill_gaps(run, calm)
+    assert gaps == pytest.approx([0.9, 0.1])
+    assert calm_gaps == pytest.approx([0.5, 0.1])  # the same stretch: 11.05 .. 21.05 s of the calm run
+    assert decoupled.kill_gaps(run)[1] is None

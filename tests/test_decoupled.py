@@ -124,6 +124,53 @@ def test_adaptive_grace_follows_arrival_lags_and_island_speed():
     assert syncer.grace() == pytest.approx(1.0)  # at least two steps of the median island
 
 
+def test_a_closed_connection_stops_the_wait_at_once_and_a_restarted_island_is_not_waited_for():
+    clock = FakeClock()
+    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=3, grace_s=30.0,
+                    clock=clock)
+    for k in range(3):
+        syncer.join(k)
+        syncer.connected(k)
+    one = np.ones(4, np.float32)
+    a = syncer.contribute(0, 0, 0, 10, one)
+    syncer.contribute(1, 0, 0, 10, one)
+    assert not a.done.is_set()  # island 2 is awaited
+    syncer.disconnected(2)  # its process ended: no grace window to sit out
+    assert a.done.is_set() and not syncer.merges[-1].by_grace and syncer.present == {0, 1}
+    # Island 2 restarts and joins again, a round behind: the open window does not wait for it ...
+    b = syncer.contribute(0, 0, 1, 10, one)
+    syncer.join(2)
+    syncer.connected(2)
+    assert syncer.present == {0, 1} and not b.done.is_set()
+    syncer.contribute(1, 0, 1, 10, one)
+    assert b.done.is_set() and syncer.merges[-1].islands == (0, 1)
+    # ... until it contributes: then the windows wait for it again.
+    late = syncer.contribute(2, 0, 1, 10, one)
+    assert syncer.present == {0, 1, 2} and not late.done.is_set()
+    syncer.contribute(0, 0, 2, 10, one)
+    syncer.contribute(1, 0, 2, 10, one)
+    assert late.done.is_set() and syncer.merges[-1].staleness == (1, 0, 0)
+    # An island with two connections (an old one lingering) counts as gone only when both closed.
+    syncer.connected(2)
+    syncer.disconnected(2)
+    assert 2 in syncer.present
+    syncer.disconnected(2)
+    assert 2 not in syncer.present
+    assert clock.now == 0.0  # no window ever waited for its grace
+
+
+def test_the_adaptive_grace_uses_the_lags_of_the_first_full_window():
+    clock = FakeClock()
+    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=4, grace_factor=3.0,
+                    grace_min_s=0.01, grace_max_s=10.0, clock=clock)
+    for k in range(4):
+        syncer.join(k)
+    for k in range(4):
+        syncer.contribute(k, 0, 0, 1, np.zeros(4, np.float32))
+        clock.now += 0.2
+    assert syncer.grace() == pytest.approx(3 * 0.4)  # lags 0.2, 0.4, 0.6: their median, 3 times
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(island=5), "not one of this run's 2 islands"),
     (dict(fragment=3), "not one of the run's 1 fragments"),
@@ -315,6 +362,57 @@ def test_a_restarted_syncer_resumes_and_islands_ahead_of_it_rejoin(service, tmp_
     x = island.sync(x - 1.0, 0, tokens=4)
     assert island.versions == [2] and restarted["service"].syncer.tokens_merged == pytest.approx(8)
     client.close()
+
+
+@pytest.mark.slow  # a client process that is killed
+def test_a_killed_island_process_is_left_out_at_once_and_its_restart_is_not_waited_for(service):
+    """Over gRPC, with a grace window of 60 s: island 1 is another process that joined (and so keeps an
+    `Attend` stream open). SIGKILLed, the window island 0 opened closes at once without it; restarted, it
+    joins again and island 0's next window still closes without waiting for it."""
+    import subprocess
+    import sys
+
+    s = service([np.zeros(4, np.float32)], num_islands=2, grace_s=60.0)
+    child = ("import sys, time; from eqx_diloco._rpc import SyncerClient; "
+             f"SyncerClient('127.0.0.1:{s.port}', token={TOKEN!r}).join(1); print('joined', flush=True); "
+             "time.sleep(120)")
+
+    def island_1():
+        proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "joined"
+        _wait_for(lambda: s.syncer._connections.get(1, 0) >= 1, 30, "island 1's Attend stream")
+        return proc
+
+    client = SyncerClient(f"127.0.0.1:{s.port}", token=TOKEN)
+    client.join(0)
+    proc = island_1()
+    assert s.syncer.present == {0, 1}
+    pushed = threading.Thread(target=client.push, kwargs=dict(
+        island=0, fragment=0, base_version=0, tokens=4, fmt="none", payload=quantize_payload(np.ones(4, np.float32))))
+    started = time.monotonic()
+    pushed.start()
+    _wait_for(lambda: 0 in s.syncer._windows, 10, "island 0's contribution")
+    proc.kill()
+    proc.communicate()
+    pushed.join(30)
+    assert not pushed.is_alive() and time.monotonic() - started < 30  # not the 60 s grace window
+    assert s.syncer.merges[-1].islands == (0,) and not s.syncer.merges[-1].by_grace
+    restarted = island_1()  # joins again: a restart
+    try:
+        assert s.syncer.present == {0}
+        client.push(island=0, fragment=0, base_version=1, tokens=4, fmt="none",
+                    payload=quantize_payload(np.ones(4, np.float32)))
+        assert s.syncer.versions == [2] and s.syncer.merges[-1].islands == (0,)
+    finally:
+        restarted.kill()
+        restarted.communicate()
+    client.close()
+
+
+def quantize_payload(x):
+    from eqx_diloco import quantize
+
+    return quantize.encode(jax.numpy.asarray(x), "none")
 
 
 def test_an_unreachable_syncer_is_reported_in_one_line():
@@ -544,6 +642,7 @@ def test_a_custom_model_trains_as_decoupled_islands_through_the_public_roles(ser
     threads = [threading.Thread(target=island, args=(k,)) for k in range(2)]
     [t.start() for t in threads]
     [t.join(120) for t in threads]
+    s.stop(0)
     assert not errors, errors
     assert syncer.versions == [10, 10] and all(len(r.islands) == 2 for r in syncer.merges)
     params, static = eqx.partition(model, eqx.is_inexact_array)
