@@ -228,7 +228,8 @@ def median_step_s(run: dict) -> float:
 
 def kill_windows(run: dict, horizon_s: float = 20.0) -> list[tuple[float, float, list[str]]]:
     """Per kill: (start, end, survivors): from the kill to the next kill (or `horizon_s` later), and the
-    islands training through it (not the killed one, nor one killed before and not back yet)."""
+    islands training through it (not the killed one, nor one killed before and not back yet, nor one
+    that had finished: none may be left when a kill comes near the end)."""
     out = []  # the islands' `time` and the kills' `wall_s` share one origin ($EQX_DILOCO_RUN_T0)
     kills = run["kills"]
     for i, kill in enumerate(kills):
@@ -238,7 +239,7 @@ def kill_windows(run: dict, horizon_s: float = 20.0) -> list[tuple[float, float,
         for island, times in run["step_times"].items():
             earlier = [k["wall_s"] for k in kills[:i] if k["island"] == island]
             down = earlier and not any(earlier[-1] < t <= start for t in times)  # killed before, not back yet
-            if str(island) != str(kill["island"]) and not down:
+            if str(island) != str(kill["island"]) and not down and any(start < t <= end for t in times):
                 survivors.append(island)
         out.append((start, end, survivors))
     return out
@@ -255,16 +256,17 @@ def longest_gap(run: dict, start: float, end: float, islands: list[str]) -> floa
     return longest
 
 
-def kill_gaps(run: dict, calm: dict | None = None) -> tuple[list[float], list[float] | None]:
+def kill_gaps(run: dict, calm: dict | None = None) -> tuple[list[float | None], list[float | None] | None]:
     """Per kill, the survivors' longest step gap around it; and with `calm` (the failure-free run of the
     same seed and steps) the same islands' longest gap over the same stretch of training (the windows
     moved by the difference of the two runs' first steps): what the machine's jitter gives without kills."""
     windows = kill_windows(run)
-    gaps = [longest_gap(run, *w) for w in windows]
+    gaps = [longest_gap(run, *w) if w[2] else None for w in windows]
     if calm is None:
         return gaps, None
     shift = calm["first_step_s"] - run["first_step_s"]
-    return gaps, [longest_gap(calm, start + shift, end + shift, islands) for start, end, islands in windows]
+    return gaps, [longest_gap(calm, start + shift, end + shift, islands) if islands else None
+                  for start, end, islands in windows]
 
 
 def time_to_target(run: dict, target: float) -> float | None:
@@ -396,10 +398,12 @@ def _failures_table(runs_by_kind: dict) -> str:
         for r in runs:
             if kind != "elastic":
                 median = r["median_step_s"]
-                gaps = ", ".join(f"{g:.2f}" for g in r["kill_gaps_s"])
-                calm = ", ".join(f"{g:.2f}" for g in r["calm_gaps_s"])
-                worst = (f"{max(r['kill_gaps_s'], default=0) / median:.1f}x ({gaps} s; median step {median * 1000:.0f} "
-                         f"ms); without kills {max(r['calm_gaps_s'], default=0) / median:.1f}x ({calm} s)")
+                gaps = ", ".join("-" if g is None else f"{g:.2f}" for g in r["kill_gaps_s"])
+                calm = ", ".join("-" if g is None else f"{g:.2f}" for g in r["calm_gaps_s"])
+                most = max((g for g in r["kill_gaps_s"] if g is not None), default=0.0)
+                most_calm = max((g for g in r["calm_gaps_s"] if g is not None), default=0.0)
+                worst = (f"{most / median:.1f}x ({gaps} s; median step {median * 1000:.0f} ms); without kills "
+                         f"{most_calm / median:.1f}x ({calm} s)")
             else:
                 worst = (f"{max(r['stalls_s'], default=0) / r['median_step_s']:.0f}x (stalls "
                          + ", ".join(f"{g:.1f}" for g in r["stalls_s"]) + f" s; median step "
@@ -446,7 +450,8 @@ def report(result: dict) -> str:
                   "has stepped to the exit) over the failure-free run's (same seed and steps), and in brackets the "
                   "same over the whole run (launch to exit); goodput (tokens): tokens merged over tokens computed. "
                   "Survivors' longest gap: per kill, the longest time between two step lines of the islands "
-                  "training through it, from the kill to the next kill or 20 s after; beside it the same islands' "
+                  "training through it, from the kill to the next kill or 20 s after (-: the others had "
+                  "finished); beside it the same islands' "
                   "longest gap over the same stretch of the failure-free run (its windows moved by the difference "
                   "of the runs' first steps): the machine's own step jitter, with no kill.", ""]
         lines += [_failures_table(result["failures"]), ""]

@@ -3,7 +3,7 @@
 No island waits for a global barrier: each pushes its outer gradient of a fragment when its own H is
 done, the syncer merges a fragment once a quorum of the islands present reported or a grace window
 passed (token-weighted, stale contributions down-weighted; see `Syncer`), and a lost island is left
-out after one grace window. The roles:
+out as soon as its connection to the syncer closes (after one grace window where it lingers). The roles:
 
     from eqx_diloco import decoupled
 
