@@ -20,9 +20,9 @@ Scenarios:
    global model at or below the target loss: 1.05 x the mean final eval loss of the equal scenario's
    synchronous runs (within 5% of the fully trained model, fixed before any slow run).
 3. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
-   mean `KILL_EVERY_S` seconds from the first step, at most `MAX_KILLS`, a kill only once every island
-   killed before has come back), `--max-restarts` enough for all, in runs of twice the steps (so
-   the kills fall inside training). Reported per mode:
+   mean `--kill-every-s` seconds, default `KILL_EVERY_S`, from the first step, at most `MAX_KILLS`, a
+   kill only once every island killed before has come back), `--max-restarts` enough for all, in
+   runs of twice the steps (so the kills fall inside training). Reported per mode:
    - goodput, time-based: tokens merged into theta_g per second of the run's training (from the moment
      every island has stepped to the exit; also over the whole run, launch to exit) over the same in
      the mode's failure-free run of that seed and length: the share of the failure-free throughput
@@ -273,11 +273,11 @@ def time_to_target(run: dict, target: float) -> float | None:
     return next((e["wall_s"] for e in run["evals"] if e["eval_loss"] <= target), None)
 
 
-def kill_schedule(seed: int) -> list[float]:
+def kill_schedule(seed: int, every_s: float = KILL_EVERY_S) -> list[float]:
     rng = random.Random(1000 + seed)
     times, t = [], 0.0
     for _ in range(MAX_KILLS):
-        t += rng.expovariate(1.0 / KILL_EVERY_S)
+        t += rng.expovariate(1.0 / every_s)
         times.append(t)
     return times
 
@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=pathlib.Path, default=None)
     parser.add_argument("--work-dir", type=pathlib.Path, default=None, help="run folders (default: temporary)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
+                        help="mean seconds between kills in the failures and long_steps scenarios")
     parser.add_argument("--scenarios", default="equal,slow,failures,long_steps",
                         help="which to run (comma-separated); the others are kept from --out-dir's decoupled.json")
     args = parser.parse_args(argv)
@@ -353,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["time_to_target_s"] = time_to_target(r, target)
         save()
     def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int) -> None:
+        result[f"{key}_kill_every_s"] = args.kill_every_s
         result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch) for s in range(pinned["failure_seeds"])]
                             for kind in ["sync" if k == "elastic" else k for k in kinds]}
         save()
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             runs = []
             for s in range(pinned["failure_seeds"]):
-                r = run(kind, s, steps=steps, kills=kill_schedule(s), kill_seed=s, batch=batch)
+                r = run(kind, s, steps=steps, kills=kill_schedule(s, args.kill_every_s), kill_seed=s, batch=batch)
                 reference = result[free_key]["sync" if kind == "elastic" else kind][s]
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
@@ -444,7 +447,8 @@ def report(result: dict) -> str:
                                          "wall time"], rows), ""]
     if "failures" in result:
         lines += ["## Islands killed at random", "",
-                  f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean {KILL_EVERY_S:g} s from "
+                  f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean "
+                  f"{result.get('failures_kill_every_s', KILL_EVERY_S):g} s from "
                   f"the first step, at most {MAX_KILLS}, a random island each (seeded); each killed island is "
                   "restarted. Goodput, time: tokens merged per second of training (from the moment every island "
                   "has stepped to the exit) over the failure-free run's (same seed and steps), and in brackets the "
@@ -457,7 +461,8 @@ def report(result: dict) -> str:
         lines += [_failures_table(result["failures"]), ""]
     if "long_steps" in result:
         lines += [f"## Islands killed at random, long steps ({LONG_STEP_BATCH} sequences per island step)", "",
-                  f"As above with `--train.batch-size {LONG_STEP_BATCH}` and {LONG_STEP_STEPS} steps per island, the "
+                  f"As above with `--train.batch-size {LONG_STEP_BATCH}` and {LONG_STEP_STEPS} steps per island (kills "
+                  f"at a mean gap of {result.get('long_steps_kill_every_s', KILL_EVERY_S):g} s), the "
                   "decoupled modes only: with a step of several hundred ms, the 4 islands and the syncer sharing "
                   "this machine's cores add little jitter to a step, so a stall that a kill caused would show.", ""]
         lines += [_failures_table(result["long_steps"]), ""]
