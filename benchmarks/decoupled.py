@@ -291,11 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
                         help="mean seconds between kills in the failures and long_steps scenarios")
     parser.add_argument("--scenarios", default="equal,slow,failures,long_steps",
-                        help="which to run (comma-separated); the others are kept from --out-dir's decoupled.json")
+                        help="which to run (comma-separated; equal implies slow); the others are kept from "
+                             "--out-dir's decoupled.json")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
     if not scenarios <= {"equal", "slow", "failures", "long_steps"}:
         parser.error(f"--scenarios takes equal, slow, failures, long_steps (got {args.scenarios})")
+    if "equal" in scenarios:
+        scenarios.add("slow")  # its target loss comes from the equal runs
     mode = args.mode or "quick"
     pinned = MODES[mode]
     out_dir = args.out_dir or common.default_out_dir("decoupled", mode)
@@ -319,18 +322,24 @@ def main(argv: list[str] | None = None) -> int:
         for kind in ("decoupled", "sync"):
             Run(kind, 99, 20, work, cache).go(args.timeout)
     revision = common.revision()
+    # Scenarios not run now are kept from --out-dir's decoupled.json (of the same mode).
+    previous = out_dir / "decoupled.json"
+    result = json.loads(previous.read_text()) if previous.exists() else {}
+    if result.get("mode") != mode:
+        result = {}
+    for scenario in scenarios:  # measured again below
+        for key in {"equal": ["equal"], "slow": ["slow"], "failures": ["failure_free", "failures"],
+                    "long_steps": ["long_steps_free", "long_steps"]}[scenario]:
+            result.pop(key, None)
     if "equal" in scenarios:
         equal = {kind: [run(kind, s) for s in range(pinned["seeds"])] for kind in ("decoupled", "sync")}
-        result = {"mode": mode, "steps": steps, "islands": ISLANDS, "flags": FLAGS, "machine": common.machine_info(),
-                  "revisions": {"equal": revision}, "equal": equal,
-                  "median_step_s": median_step_s(equal["decoupled"][0])}
-    else:  # the references the other scenarios need come from the committed run
-        result = json.loads((out_dir / "decoupled.json").read_text())
-        equal = result["equal"]
-        for scenario in scenarios:  # measured again below
-            for key in {"slow": ["slow"], "failures": ["failure_free", "failures"],
-                        "long_steps": ["long_steps_free", "long_steps"]}[scenario]:
-                result.pop(key, None)
+        result.update({"mode": mode, "steps": steps, "islands": ISLANDS, "flags": FLAGS,
+                       "machine": common.machine_info(), "equal": equal,
+                       "median_step_s": median_step_s(equal["decoupled"][0])})
+        result.setdefault("revisions", {})["equal"] = revision
+    elif "equal" not in result:
+        parser.error(f"--scenarios without equal needs a decoupled.json of mode {mode} in {out_dir}")
+    equal = result["equal"]
     sync_final = statistics.fmean(r["final_eval_loss"] for r in equal["sync"])
 
     def save() -> None:  # after each scenario: a run that fails later keeps what was measured
