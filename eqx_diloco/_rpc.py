@@ -130,9 +130,11 @@ class SyncerService:
         self._check_token(context)
         try:
             message = decode(request, source=f"a request from {context.peer()}")
-            island = message["island"] if isinstance(message, dict) else None
+            if not isinstance(message, dict):
+                raise Refused("the request is not an object")
+            island = message.get("island")
             self.syncer.connected(island)
-        except (Refused, WireFormatError, KeyError) as e:
+        except (Refused, WireFormatError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
         ended = threading.Event()
         context.add_callback(ended.set)  # the call ended: the island closed it, or its connection dropped

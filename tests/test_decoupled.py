@@ -333,6 +333,24 @@ def test_bad_calls_are_refused_in_one_line_and_the_syncer_keeps_serving(service,
     client.close()
 
 
+@pytest.mark.parametrize("message, token, code, match", [
+    ({"island": 7}, TOKEN, "INVALID_ARGUMENT", "not one of this run's 2 islands"),
+    ({"fragment": 0}, TOKEN, "INVALID_ARGUMENT", "not one of this run's 2 islands"),
+    (b"not a payload", TOKEN, "INVALID_ARGUMENT", "not a valid eqx_diloco payload"),
+    ({"island": 0}, "wrong", "UNAUTHENTICATED", "wrong or missing shared secret"),
+])
+def test_bad_attend_calls_are_refused_in_one_line(service, message, token, code, match):
+    s = service([np.zeros(8, np.float32)], num_islands=2)
+    with grpc.insecure_channel(f"127.0.0.1:{s.port}") as channel:
+        attend = channel.unary_stream(f"/{SERVICE}/Attend")
+        request = message if isinstance(message, bytes) else encode(message)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(attend(request, metadata=((TOKEN_KEY, token),), timeout=10))
+    assert caught.value.code().name == code
+    assert match in caught.value.details() and "\n" not in caught.value.details()
+    assert s.syncer._connections == {}  # nothing counted as connected
+
+
 def test_a_restarted_syncer_resumes_and_islands_ahead_of_it_rejoin(service, tmp_path):
     s = service([np.zeros(8, np.float32)], num_islands=1, grace_s=0.0)
     checkpoints = SyncerCheckpoints(tmp_path / "ckpt")
