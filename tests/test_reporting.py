@@ -2,6 +2,8 @@
 values travel `--dist.metrics-lag` steps at a time, one exchange per batch, and every step is
 still emitted, in order, no earlier than `lag` steps after it was published."""
 
+import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -130,7 +132,11 @@ def test_short_steps_travel_more_at_a_time_and_the_slowest_process_sets_how_many
     from eqx_diloco.lm import _reporting
 
     clock = iter(np.arange(1000) * 0.01)
-    monkeypatch.setattr(_reporting.time, "perf_counter", lambda: float(next(clock)))
+    # `time` is the module every thread shares: only this test's thread reads the fake clock (a thread
+    # another test left running, e.g. a gRPC channel's, would otherwise take ticks from it).
+    real, caller = time.perf_counter, threading.get_ident()
+    monkeypatch.setattr(_reporting.time, "perf_counter",
+                        lambda: float(next(clock)) if threading.get_ident() == caller else real())
     gather = RecordingGather(peer_seconds_per_step=peer)
     report, lines = reporter(4, 120, gather, interval_s=0.25)
     for t in range(1, 121):
