@@ -226,7 +226,7 @@ def median_step_s(run: dict) -> float:
     return statistics.median(gaps)
 
 
-def kill_windows(run: dict, horizon_s: float = 20.0) -> list[tuple[float, float, list[str]]]:
+def kill_windows(run: dict, horizon_s: float = 20.0) -> list[tuple[float, float, list[int]]]:
     """Per kill: (start, end, survivors): from the kill to the next kill (or `horizon_s` later), and the
     islands training through it (not the killed one, nor one killed before and not back yet, nor one
     that had finished: none may be left when a kill comes near the end)."""
@@ -245,7 +245,7 @@ def kill_windows(run: dict, horizon_s: float = 20.0) -> list[tuple[float, float,
     return out
 
 
-def longest_gap(run: dict, start: float, end: float, islands: list[str]) -> float:
+def longest_gap(run: dict, start: float, end: float, islands: list[int]) -> float:
     """The longest gap between consecutive step lines of `islands` from their last line before `start`
     to `end`."""
     longest = 0.0
@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs:
                 r["time_to_target_s"] = time_to_target(r, target)
         save()
+
     def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int) -> None:
         result[f"{key}_kill_every_s"] = args.kill_every_s
         result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch) for s in range(pinned["failure_seeds"])]
