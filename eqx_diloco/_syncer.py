@@ -11,7 +11,7 @@ its process ended or its link dropped; the others stop waiting at once), or when
 grace without it (it is dead but its connection lingers, or it is slow), and counts again as soon as
 it contributes. An island that joins again (it restarted, or fell too far behind) is a round or more
 behind the others, so it counts only from its first contribution: no window waits for its restart.
-So a lost island whose connection closes costs the others nothing, and one that hangs costs one grace
+So a lost island whose connection closes costs the others no wait, and one that hangs costs one grace
 window, once.
 
 **Adaptive grace.** With `grace_s=None`, the grace window is `grace_factor` times the median lag of
