@@ -37,6 +37,16 @@ class FakeClock:
         return self.now
 
 
+def fake_syncer(num_islands: int, **kwargs) -> tuple[Syncer, FakeClock]:
+    """A syncer of one 4-value fragment (outer SGD at rate 1) on a fake clock, every island joined."""
+    clock = FakeClock()
+    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=num_islands, clock=clock,
+                    **kwargs)
+    for k in range(num_islands):
+        syncer.join(k)
+    return syncer, clock
+
+
 def nesterov_reference(theta0, windows, *, lr, mu):
     """theta_g after each window, from the merge's equations: g = sum_i n_i / (1 + s_i) delta_i / sum_i n_i,
     then SGD with Nesterov momentum: m <- mu m + g, theta <- theta - lr (g + mu m)."""
@@ -76,11 +86,7 @@ def test_merge_matches_the_equations_with_tokens_and_staleness():
 
 
 def test_windows_close_at_the_quorum_or_after_the_grace_window():
-    clock = FakeClock()
-    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=3, grace_s=2.0,
-                    clock=clock)
-    for k in range(3):
-        syncer.join(k)
+    syncer, clock = fake_syncer(3, grace_s=2.0)
     one = np.ones(4, np.float32)
     a = syncer.contribute(0, 0, 0, 10, one)
     b = syncer.contribute(1, 0, 0, 10, one)
@@ -109,11 +115,7 @@ def test_windows_close_at_the_quorum_or_after_the_grace_window():
 
 
 def test_adaptive_grace_follows_arrival_lags_and_island_speed():
-    clock = FakeClock()
-    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=2, grace_factor=3.0,
-                    grace_min_s=0.01, grace_max_s=5.0, clock=clock)
-    syncer.join(0)
-    syncer.join(1)
+    syncer, clock = fake_syncer(2, grace_factor=3.0, grace_min_s=0.01, grace_max_s=5.0)
     assert syncer.grace() == 5.0  # nothing measured yet
     for version in range(6):
         syncer.contribute(0, 0, version, 1, np.zeros(4, np.float32), steps_per_s=1000.0)
@@ -125,11 +127,8 @@ def test_adaptive_grace_follows_arrival_lags_and_island_speed():
 
 
 def test_a_closed_connection_stops_the_wait_at_once_and_a_restarted_island_is_not_waited_for():
-    clock = FakeClock()
-    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=3, grace_s=30.0,
-                    clock=clock)
+    syncer, clock = fake_syncer(3, grace_s=30.0)
     for k in range(3):
-        syncer.join(k)
         syncer.connected(k)
     one = np.ones(4, np.float32)
     a = syncer.contribute(0, 0, 0, 10, one)
@@ -160,11 +159,7 @@ def test_a_closed_connection_stops_the_wait_at_once_and_a_restarted_island_is_no
 
 
 def test_the_adaptive_grace_uses_the_lags_of_the_first_full_window():
-    clock = FakeClock()
-    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=4, grace_factor=3.0,
-                    grace_min_s=0.01, grace_max_s=10.0, clock=clock)
-    for k in range(4):
-        syncer.join(k)
+    syncer, clock = fake_syncer(4, grace_factor=3.0, grace_min_s=0.01, grace_max_s=10.0)
     for k in range(4):
         syncer.contribute(k, 0, 0, 1, np.zeros(4, np.float32))
         clock.now += 0.2
@@ -189,10 +184,7 @@ def test_the_merge_refuses_bad_contributions(bad, match):
 
 
 def test_too_stale_contributions_are_refused_and_counted():
-    clock = FakeClock()
-    syncer = Syncer([np.zeros(4, np.float32)], outer_optimizer=optax.sgd(1.0), num_islands=1, max_staleness=1,
-                    clock=clock)
-    syncer.join(0)
+    syncer, _ = fake_syncer(1, max_staleness=1)
     for version in range(3):
         syncer.contribute(0, 0, version, 1, np.zeros(4, np.float32))
     with pytest.raises(Refused, match="3 versions old, more than max_staleness 1"):
