@@ -35,7 +35,6 @@ def sync_options(config: Config) -> dict | None:
     return rare_program_options(config.model.num_params(), runs=syncs)
 
 
-
 @functools.cache
 def _model_builder(options: tuple):
     """The compiled builder for one set of compiler options (`options_key`)."""
