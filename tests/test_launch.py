@@ -233,25 +233,33 @@ def test_the_processes_learn_the_link_limit(tmp_path):
     assert proc.returncode == 0 and "link=800mbit" in proc.stderr, proc.stderr
 
 
-def _child_cpus(tmp_path, *launcher_flags: str) -> list[set[int]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+def _child_cpus(tmp_path, *launcher_flags: str) -> list[tuple[set[int], str]]:
+    """Each process's CPUs, and what it was told in $EQX_DILOCO_COMPILE_CPUS (one is already set here)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+               EQX_DILOCO_COMPILE_CPUS="7")
     logs = tmp_path / "logs"
     proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--log-dir", str(logs),
                            *launcher_flags, "--module", "launch_env_child"], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
-    lines = [next(line for line in (logs / f"process_{i}.log").read_text().splitlines() if line.startswith("cpus="))
-             for i in range(2)]
-    return [set(map(int, line.removeprefix("cpus=").split(","))) for line in lines]
+    found = []
+    for i in range(2):
+        lines = (logs / f"process_{i}.log").read_text().splitlines()
+        cpus = next(line for line in lines if line.startswith("cpus=")).removeprefix("cpus=")
+        found.append((set(map(int, cpus.split(","))),
+                      next(line for line in lines if line.startswith("compile_cpus=")).removeprefix("compile_cpus=")))
+    return found
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs CPU affinity and two CPUs")
 def test_co_located_processes_get_their_own_cpus_unless_told_to_share(tmp_path):
     mine = os.sched_getaffinity(0)
-    split = _child_cpus(tmp_path / "split")
-    assert split[0] and split[1] and not split[0] & split[1] and split[0] | split[1] == mine
-    assert _child_cpus(tmp_path / "shared", "--cpus", "shared") == [mine, mine]
+    every = ",".join(map(str, sorted(mine)))
+    (first, told_first), (second, told_second) = _child_cpus(tmp_path / "split")
+    assert first and second and not first & second and first | second == mine
+    assert told_first == told_second == every  # they compile on every CPU until their first step
+    assert _child_cpus(tmp_path / "shared", "--cpus", "shared") == [(mine, "None"), (mine, "None")]
 
 
 def test_cpu_shares_are_contiguous_and_as_equal_as_possible(monkeypatch):

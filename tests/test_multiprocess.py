@@ -49,13 +49,20 @@ def test_multi_process_run_equals_single_process_run(make_config, tmp_path, num_
     single = make_config(diloco=diloco, train=dict(steps=STEPS, lr=0.01, batch_size=4, seq_len=16,
                                                     eval_every=50, warmup_steps=20))
     Trainer(single, verbose=False).run()
-    proc = _launch(num_processes, tmp_path / "multi", *flags)
+    # The 2-process run starts from an empty compilation cache: process 0 compiles each program of both
+    # processes, which load its executable (one cache entry each), and the results stay those of one process.
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)) if num_processes == 2 else None
+    proc = _launch(num_processes, tmp_path / "multi", *flags, env=env)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "[Gloo]" not in out + err  # gloo's "Rank r is connected to n peer ranks" lines are filtered out
     multi = train_losses(tmp_path / "multi")
     assert len(multi) == STEPS
     np.testing.assert_allclose(multi, train_losses(single.run_dir), rtol=1e-6)
+    if env is not None:
+        entries = [p.name.split("-")[0] for p in cache.iterdir()]
+        assert entries.count("jit_step") == 1 and entries.count("jit_sync_and_merge") == 1, sorted(entries)
 
 
 @pytest.mark.slow  # two runs of the CLI, one of them as 4 processes

@@ -130,6 +130,7 @@ def runtime_lines(config) -> list[str]:
     import jax
 
     from ._cache import every_process_writes
+    from ._compile_share import sharing_compiles
 
     d = config.diloco
     devices = jax.devices()
@@ -149,6 +150,8 @@ def runtime_lines(config) -> list[str]:
     if cache_dir and num_processes > 1 and platform == "cpu" and not every_process_writes():
         # JAX writes entries from process 0 only, and CPU cache keys differ per process (see _cache).
         cache += " (read back by process 0 only: on CPU the other processes compile every run)"
+    elif cache_dir and num_processes > 1 and sharing_compiles():
+        cache += "; process 0 compiles the programs of several processes for all of them"
     return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config, mesh),
             *_compute_lines(config), f"  compilation  {cache}"]
 

@@ -10,10 +10,10 @@ used when JAX was already configured with a folder, as the tests do),
 
 JAX writes cache entries from process 0 only (to spare shared filesystems concurrent writes of
 one key). On GPU every process's programs have one key, so the others read process 0's entries;
-on CPU a key includes the process's own devices, so the other processes would never find theirs
-and would compile every program of every run (seconds that process 0 then waits for at the first
-collective). There every process writes its own entries: their keys differ, so no two processes
-write one file.
+on CPU a key includes the process's own devices. There a program of several processes gets one
+key where their hosts compile alike, and its lowest process compiles it for all of them
+(`_compile_share`); a program of one process's own devices keeps a key of its own, so every
+process writes its own entries (their keys differ, so no two processes write one file).
 """
 
 from __future__ import annotations
@@ -42,20 +42,25 @@ def enable_compilation_cache(config) -> Path | None:
     if not getattr(config, "compile_cache", True):
         return None
     configured = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    folder = Path(configured) if configured else default_cache_dir()
+    folder: Path | None = Path(configured) if configured else default_cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         print(f"warning: compilation cache off: cannot create {folder}: {e.strerror}", file=sys.stderr)
-        return None
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        # Cache every program, not only those over JAX's default 1 s of compile time (unless the user
-        # chose a minimum): start-up compiles many small programs (placement, the initialisation,
-        # evaluation, the outer syncs) whose sum counts.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        folder = None
+    if folder is not None:
+        jax.config.update("jax_compilation_cache_dir", str(folder))
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            # Cache every program, not only those over JAX's default 1 s of compile time (unless the user
+            # chose a minimum): start-up compiles many small programs (placement, the initialisation,
+            # evaluation, the outer syncs) whose sum counts.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
-        let_every_process_write()
+        from ._compile_share import share_compiles
+
+        if folder is not None:
+            let_every_process_write()  # for the programs of one process's own devices
+        share_compiles(folder)  # every process takes part, with a cache or without
     return folder
 
 

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ._compile_cpus import COMPILE_CPUS_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -300,10 +302,14 @@ def spawn(
     port = free_port()
     preexec = _die_with_launcher()
     shares = cpu_shares(num_processes) if split_cpus else None
+    # Pinned processes compile on all of these CPUs before their first step (see _compile_cpus).
+    widen = {COMPILE_CPUS_ENV: ",".join(str(c) for share in shares for c in share)} if shares else {}
     procs = []
     for i in range(num_processes):
         variables = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
-                         JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1", **(env[i] if env else {}))
+                         JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1", **widen, **(env[i] if env else {}))
+        if not shares:
+            variables.pop(COMPILE_CPUS_ENV, None)  # not pinned here: nothing to widen
         # Process 0's stdout is this terminal (progress bar); its stderr is copied here
         # and to its log, so the launcher can read why it failed. The others log to files.
         out = None if i == 0 else logs[i].open(log_mode)

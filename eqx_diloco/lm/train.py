@@ -115,11 +115,13 @@ def _main(config: Config, process: _Process) -> int:
             print("\n".join(setup_lines(config)), flush=True)
         mark("flags checked, set-up printed")
         from ._cache import enable_compilation_cache
+        from ._compile_cpus import widen_for_compiles
         from ._devices import setup_devices
 
         setup_devices(config)
         process.joined = process.num_processes > 1
         enable_compilation_cache(config)  # before the first compile
+        widen_for_compiles()  # a pinned process compiles on every CPU of its launcher until its first step
         mark("JAX imported, processes joined, devices set up")
         if process.process_id == 0:
             print("\n".join(runtime_lines(config)), flush=True)

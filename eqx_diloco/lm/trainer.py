@@ -23,6 +23,7 @@ from .._replica_values import ReplicaGather, replicated_value
 from .._state import TrainState
 from .._tree import row_finite
 from ._banner import finished_message, format_summary
+from ._compile_cpus import narrow_to_share, widen_for_compiles
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
 from ._devices import fail_for_test, slow_down, slowdown_s
 from ._finite import FiniteChecks, finite_check
@@ -66,10 +67,9 @@ class Trainer:
         if self.elastic and jax.process_count() != d.num_replicas:
             raise ConfigError(f"--elastic.enabled needs one replica per process: run {d.num_replicas} processes "
                               f"for --diloco.num-replicas {d.num_replicas} (got {jax.process_count()})")
-        self.batches = TokenBatches(
-            tokens, num_replicas=d.num_replicas, batch_size=t.batch_size, seq_len=t.seq_len,
-            eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split, islands=self.islands,
-            num_islands=num_islands)
+        self.batches = TokenBatches(tokens, num_replicas=d.num_replicas, batch_size=t.batch_size, seq_len=t.seq_len,
+                                    eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split,
+                                    islands=self.islands, num_islands=num_islands)
         self.abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
         self.core = make_diloco(config, self.abstract_model)
         core = self.core
@@ -234,8 +234,7 @@ class Trainer:
         traffic = Traffic()
         for s in range(1, start + 1):
             traffic.add_step(self.core, s)
-        self._final_synced: list[int] = []
-        self._eval_loss: float | None = None
+        self._final_synced, self._eval_loss = [], None  # the groups the final sync took; theta_g's last eval loss
         compile_start = time.perf_counter()
         state = self._compile(state, start)
         mark("sync programs compiled, step 0 evaluated")
@@ -251,6 +250,7 @@ class Trainer:
             if step == start:  # the step programs (and those of the syncs due now) compiled in that call
                 report.note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
                 mark("first step compiled and dispatched")
+                narrow_to_share()  # start-up's compiles done: back to the launcher's share of the CPUs
             if metrics["synced_fragment"] is not None:
                 mark("first sync dispatched")
             boundary = self.elastic and self.core.settled and (
@@ -344,19 +344,19 @@ class Trainer:
 
     def _finish(self, state: TrainState, t: int, traffic: Traffic) -> TrainState:
         """After the last step: the final sync (`--train.final-sync`), its bytes counted and logged."""
+        widen_for_compiles()  # no steps left to share the CPUs with: the final programs compile on all of them
         state, self._final_synced = self.final_sync(state, t)
         for g in self._final_synced:
             traffic.sent += self.group_bytes[g]
             traffic.wire += self.core.group_wire_bytes[g]
-        display = self._reporter.display
         if self._final_synced:  # its bytes belong in the counters a reader of metrics.jsonl sums
             self._reporter.write({"step": t, "event": "final_sync", "groups": self._final_synced,
                                   "sent_bytes": traffic.sent, "wire_bytes": traffic.wire})
         if self._final_synced and self._show:
-            display.log(f"final sync of parameter group(s) {self._final_synced}: their inner steps since "
-                        f"the last scheduled sync now reach the global model")
+            self._reporter.display.log(f"final sync of parameter group(s) {self._final_synced}: their inner steps "
+                                       f"since the last scheduled sync now reach the global model")
         if self.diloco and self.core.overlapped is not None and self.config.train.final_sync and self._show:
-            display.log("the last round's exchange of every parameter group landed in the global model")
+            self._reporter.display.log("the last round's exchange of every parameter group landed in the global model")
         return state
 
     def _evaluate(self, state: TrainState, t: int) -> TrainState:

@@ -1,0 +1,56 @@
+"""Start-up's compiles on all of the launcher's CPUs, the steps on the process's own share.
+
+A launcher that splits the machine among co-located processes pins each to its share before it
+starts, so XLA's CPU client sizes its compute thread pool to the share (`_processes.cpu_shares`).
+XLA's compiler sizes its own pool later, at the first compile, from the CPUs the process may use
+then. Pinned, a process would compile on its share alone, while in a multi-process CPU run the
+other processes wait for process 0's executables (`_compile_share`) and their cores sit idle.
+
+So a process the launcher pinned (it names every CPU in `$EQX_DILOCO_COMPILE_CPUS`) widens every
+thread to those CPUs before its first compile, and narrows them back to its share once its first
+step is dispatched (the start-up compiles done); the compute pool keeps the share's size throughout.
+"""
+
+from __future__ import annotations
+
+import os
+
+COMPILE_CPUS_ENV = "EQX_DILOCO_COMPILE_CPUS"
+_share: set[int] | None = None  # the process's own CPUs while it is widened (affinity is per process)
+
+
+def _pin_every_thread(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            pass
+
+
+def widen_for_compiles() -> bool:
+    """Let every thread of this process use the CPUs in `$EQX_DILOCO_COMPILE_CPUS` until
+    `narrow_to_share`; False (nothing changed) where the variable is unset, names no CPU beyond the
+    process's own, or threads cannot be pinned here. Call once JAX's client exists (its compute pool
+    sized to the share) and before the first compile."""
+    global _share
+    spec = os.environ.get(COMPILE_CPUS_ENV, "")
+    if not spec or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return False
+    try:
+        cpus = {int(c) for c in spec.split(",")} & set(range(os.cpu_count() or 1))
+    except ValueError:
+        return False
+    share = os.sched_getaffinity(0)
+    if not cpus or cpus <= share:
+        return False
+    _share = share
+    _pin_every_thread(cpus)
+    return True
+
+
+def narrow_to_share() -> None:
+    """Put every thread of this process back on the CPUs it had before `widen_for_compiles` (if widened)."""
+    global _share
+    if _share:
+        _pin_every_thread(_share)
+    _share = None
