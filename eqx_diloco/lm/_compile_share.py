@@ -9,13 +9,15 @@ includes a fingerprint of the devices each process sees, so they never agree and
 other processes would wait for a key nobody writes.
 
 `share_compiles` makes the key agree where the executable can really be shared: every process
-publishes what XLA:CPU compiles for on its host (the machine, the CPU model and its feature flags,
-jaxlib's version) and its cache folder, and only when all of them match does the key hash that
-identity and the device kinds in place of the per-process fingerprint (the device assignment, the
-mesh's devices and their processes, stays in the key through the compile options). A process
-that waits for an executable also looks in the persistent cache once a second: the compiling
-process shares nothing when it found the program on disk, which happens when another run wrote
-the entry between the two processes' reads.
+publishes its host's name, what XLA:CPU compiles for there (the machine, the CPU model and its
+feature flags, jaxlib's version) and its cache folder, and only when all of them match (the
+processes of one machine, as the launcher starts them) does the key hash that identity and the
+device kinds in place of the per-process fingerprint (the device assignment, the mesh's devices
+and their processes, stays in the key through the compile options). A process that waits for an
+executable also looks in the persistent cache once a second: the compiling process shares nothing
+when it found the program on disk, which happens when another run wrote the entry between the
+two processes' reads. On several hosts, each with a cache folder of its own, that entry could be
+on one host's disk alone, so there every process compiles as before.
 
 JAX offers no switch for the key, so this replaces two of its private functions; with a JAX whose
 functions are not the ones expected it changes nothing and every process compiles as before.
@@ -27,6 +29,7 @@ import hashlib
 import inspect
 import os
 import platform
+import socket
 import time
 from pathlib import Path
 
@@ -42,7 +45,7 @@ _POLL_MS = 1000  # how long a waiting process blocks on the store before it look
 
 
 def host_identity() -> str:
-    """What XLA:CPU compiles for on this host: machine, CPU model and feature flags, jaxlib's version."""
+    """This host's name and what XLA:CPU compiles for on it: machine, CPU model and feature flags, jaxlib's version."""
     import jaxlib
 
     model = flags = ""
@@ -56,7 +59,7 @@ def host_identity() -> str:
                 flags = " ".join(sorted(value.split()))
     except OSError:
         model = platform.processor()
-    return f"{platform.machine()}|{model}|{flags}|jaxlib {jaxlib.__version__}"
+    return f"{socket.gethostname()}|{platform.machine()}|{model}|{flags}|jaxlib {jaxlib.__version__}"
 
 
 def _private_functions():
@@ -93,7 +96,7 @@ def share_compiles(cache_folder: Path | None, *, timeout_ms: int = 120_000) -> b
     client = distributed.global_state.client
     functions = _private_functions()
     usable = cache_folder is not None and functions is not None
-    mine = f"{host_identity()}|{cache_folder}" if usable else f"off {os.getpid()}"  # never agrees
+    mine = f"{host_identity()}|{Path(cache_folder).resolve()}" if usable else f"off {os.getpid()}"  # never agrees
     if client is None or not agree(client, jax.process_index(), jax.process_count(), mine, timeout_ms) or not usable:
         return False
     cache_key, compiler = functions
