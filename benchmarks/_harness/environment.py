@@ -51,15 +51,20 @@ def add_mode_flags(parser) -> None:
     group.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tests only")
 
 
+# Changes that cannot move a result: what benchmarks write, and prose.
+_NOT_INPUTS = [":(exclude)benchmarks/results", ":(exclude)docs", ":(exclude)*.md"]
+
+
 def revision() -> str | None:
-    """The git commit of the code that ran (with `-dirty` for local changes), if known."""
+    """The git commit of the code that ran (with `-dirty` for local changes to anything but results
+    and prose), if known."""
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10,
                              check=False)
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10, check=False)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *_NOT_INPUTS],
+                               cwd=REPO, capture_output=True, text=True, timeout=10, check=False)
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
