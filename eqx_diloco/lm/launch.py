@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", choices=["split", "shared"], default="split",
                         help="split: each process runs on its own contiguous share of this machine's CPUs, so "
                              "their compute thread pools do not oversubscribe the cores (where there are at least "
-                             "as many CPUs as processes); shared: every process may use every CPU")
+                             "as many CPUs as processes; before its first step and after its last, where it "
+                             "compiles, a process uses them all); shared: every process may use every CPU")
     elastic = parser.add_argument_group(
         "elastic islands (with --elastic.enabled among the trainer flags: one process per island; a lost island "
         "re-forms the run with the others from their newest sync boundary)")
