@@ -22,7 +22,9 @@ class FakeStore:
         self.arrive_after = arrive_after or {}  # key -> (polls before it appears, value)
         self.polls = 0
 
-    def key_value_set_bytes(self, key, value):
+    def key_value_set_bytes(self, key, value, allow_overwrite=False):
+        if key in self.values and not allow_overwrite:
+            raise jax.errors.JaxRuntimeError(f"ALREADY_EXISTS: key {key}")
         self.values[key] = value
 
     def blocking_key_value_get_bytes(self, key, timeout_ms):

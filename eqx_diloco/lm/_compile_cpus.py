@@ -7,8 +7,9 @@ then. Pinned, a process would compile on its share alone, while in a multi-proce
 other processes wait for process 0's executables (`_compile_share`) and their cores sit idle.
 
 So a process the launcher pinned (it names every CPU in `$EQX_DILOCO_COMPILE_CPUS`) widens every
-thread to those CPUs before its first compile, and narrows them back to its share once its first
-step is dispatched (the start-up compiles done); the compute pool keeps the share's size throughout.
+thread to those CPUs before its first compile, narrows them back to its share once its first step
+is dispatched (the start-up compiles done), and widens them again after its last step, for the
+final sync's and evaluation's programs; the compute pool keeps the share's size throughout.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def _private_functions():
 
 def agree(client, process_id: int, num_processes: int, mine: str, timeout_ms: int) -> bool:
     """Publish `mine` for process `process_id` and whether every process published the same."""
-    client.key_value_set_bytes(f"{_IDENTITY_KEY}/{process_id}", mine.encode())
+    client.key_value_set_bytes(f"{_IDENTITY_KEY}/{process_id}", mine.encode(), allow_overwrite=True)
     return all(client.blocking_key_value_get_bytes(f"{_IDENTITY_KEY}/{p}", timeout_ms).decode() == mine
                for p in range(num_processes))
 
@@ -119,8 +119,9 @@ def share_compiles(cache_folder: Path | None, *, timeout_ms: int = 120_000) -> b
 
 def sharing_compiles() -> bool:
     """Whether `share_compiles` is in force in this process."""
-    return bool(getattr(jax.config, "jax_share_binary_between_hosts", False)) and _private_functions() is not None \
-        and hasattr(_private_functions()[0]._hash_accelerator_config, "jax_fingerprint")
+    functions = _private_functions()
+    return (functions is not None and bool(jax.config.jax_share_binary_between_hosts)
+            and hasattr(functions[0]._hash_accelerator_config, "jax_fingerprint"))
 
 
 def _waiting_on_disk_too(compiler):
