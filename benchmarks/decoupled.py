@@ -20,7 +20,7 @@ Scenarios:
    global model at or below the target loss: 1.05 x the mean final eval loss of the equal scenario's
    synchronous runs (within 5% of the fully trained model, fixed before any slow run).
 3. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
-   mean `--kill-every-s` seconds, default `KILL_EVERY_S`, from the first step, at most `MAX_KILLS`, a
+   mean `--kill-every-s` seconds, default `KILL_EVERY_S`, from the first step, `--max-kills` of them, a
    kill only once every island killed before has come back), `--max-restarts` enough for all, in
    runs of twice the steps (so the kills fall inside training). Reported per mode:
    - goodput, time-based: tokens merged into theta_g per second of the run's training (from the moment
@@ -117,10 +117,10 @@ class Run:
         else:
             trainer += ["--diloco.num-replicas", str(ISLANDS)]
         if kind == "elastic":
-            launcher += ["--max-restarts", str(MAX_KILLS), "--rejoin-after-s", "1", "--drain-s", "3"]
+            launcher += ["--max-restarts", str(len(kills or ())), "--rejoin-after-s", "1", "--drain-s", "3"]
             trainer += ["--elastic.enabled", "--elastic.min-replicas", "2"]
         elif kills:
-            launcher += ["--max-restarts", str(MAX_KILLS)]
+            launcher += ["--max-restarts", str(len(kills))]
         self.cmd = [sys.executable, "-m", "eqx_diloco.launch", *launcher, "--", *trainer]
         self.env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
         self.env.pop("EQX_DILOCO_SLOW_ISLANDS", None)
@@ -273,10 +273,10 @@ def time_to_target(run: dict, target: float) -> float | None:
     return next((e["wall_s"] for e in run["evals"] if e["eval_loss"] <= target), None)
 
 
-def kill_schedule(seed: int, every_s: float = KILL_EVERY_S) -> list[float]:
+def kill_schedule(seed: int, every_s: float = KILL_EVERY_S, count: int = MAX_KILLS) -> list[float]:
     rng = random.Random(1000 + seed)
     times, t = [], 0.0
-    for _ in range(MAX_KILLS):
+    for _ in range(count):
         t += rng.expovariate(1.0 / every_s)
         times.append(t)
     return times
@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
                         help="mean seconds between kills in the failures and long_steps scenarios")
+    parser.add_argument("--max-kills", type=int, default=MAX_KILLS, help="kills per run in those scenarios")
     parser.add_argument("--scenarios", default="equal,slow,failures,long_steps",
                         help="which to run (comma-separated; equal implies slow); the others are kept from "
                              "--out-dir's decoupled.json")
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int) -> None:
-        result[f"{key}_kill_every_s"] = args.kill_every_s
+        result[f"{key}_kill_every_s"], result[f"{key}_max_kills"] = args.kill_every_s, args.max_kills
         result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch) for s in range(pinned["failure_seeds"])]
                             for kind in ["sync" if k == "elastic" else k for k in kinds]}
         save()
@@ -373,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             runs = []
             for s in range(pinned["failure_seeds"]):
-                r = run(kind, s, steps=steps, kills=kill_schedule(s, args.kill_every_s), kill_seed=s, batch=batch)
+                r = run(kind, s, steps=steps, kills=kill_schedule(s, args.kill_every_s, args.max_kills), kill_seed=s,
+                        batch=batch)
                 reference = result[free_key]["sync" if kind == "elastic" else kind][s]
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
@@ -459,7 +461,8 @@ def report(result: dict) -> str:
         lines += ["## Islands killed at random", "",
                   f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean "
                   f"{result.get('failures_kill_every_s', KILL_EVERY_S):g} s from "
-                  f"the first step, at most {MAX_KILLS}, a random island each (seeded); each killed island is "
+                  f"the first step, at most {result.get('failures_max_kills', MAX_KILLS)}, a random island each "
+                  "(seeded); each killed island is "
                   "restarted. Goodput, time: tokens merged per second of training (from the moment every island "
                   "has stepped to the exit) over the failure-free run's (same seed and steps), and in brackets the "
                   "same over the whole run (launch to exit); goodput (tokens): tokens merged over tokens computed. "
