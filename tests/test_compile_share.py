@@ -69,7 +69,14 @@ def _fake_compiler(on_disk_after=None):
         found = on_disk_after is not None and len(reads) > on_disk_after
         return (f"from disk {cache_key}", 1) if found else (None, None)
 
-    return types.SimpleNamespace(_compile_and_share_module=share, _cache_read=cache_read), calls, reads
+    def compile_here(backend, computation, executable_devices, compile_options, host_callbacks, module_name,
+                     cache_key):
+        calls.append(f"here {cache_key}")
+        return f"compiled here {cache_key}"
+
+    compiler = types.SimpleNamespace(_compile_and_share_module=share, _cache_read=cache_read,
+                                     _compile_and_write_cache=compile_here)
+    return compiler, calls, reads
 
 
 def _call(fn, store, key="jit_step-abc", first_process_id=0):
@@ -96,9 +103,27 @@ def test_a_waiting_process_takes_the_shared_executable_and_the_compiling_one_com
     store = FakeStore(arrive_after={"jit_step-abc": (1, b"executable")})
     assert _call(wait, store) == "compiled-or-shared jit_step-abc"  # JAX's own function loads what was shared
     assert calls == ["jit_step-abc"] and store.polls == 2 and len(reads) == 1
-    monkeypatch.setattr(jax, "process_index", lambda: 0)  # the compiling process: straight to JAX's function
-    assert _call(wait, FakeStore(), key="jit_eval-def") == "compiled-or-shared jit_eval-def"
+    monkeypatch.setattr(jax, "process_index", lambda: 0)  # the compiling process: says so, then JAX's function
+    store = FakeStore()
+    assert _call(wait, store, key="jit_eval-def") == "compiled-or-shared jit_eval-def"
     assert calls == ["jit_step-abc", "jit_eval-def"] and len(reads) == 1
+    assert f"{_compile_share._STARTED_KEY}/jit_eval-def" in store.values
+
+
+def test_a_waiting_process_compiles_a_program_the_compiling_process_never_starts(monkeypatch):
+    """A program traced differently in two processes has two keys: the other process's never comes."""
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(_compile_share, "_UNSTARTED_S", 0.0)
+    compiler, calls, reads = _fake_compiler()
+    wait = _compile_share._waiting_on_disk_too(compiler)
+    assert _call(wait, FakeStore()) == "compiled here jit_step-abc"
+    assert calls == ["here jit_step-abc"] and len(reads) == 1
+    assert wait.modules_cache["jit_step-abc"] == "compiled here jit_step-abc"
+    # Started but slow: the waiting process keeps waiting for it.
+    started = {f"{_compile_share._STARTED_KEY}/jit_eval-def": b""}
+    store = FakeStore(started, arrive_after={"jit_eval-def": (5, b"executable")})
+    assert _call(wait, store, key="jit_eval-def") == "compiled-or-shared jit_eval-def"
+    assert calls == ["here jit_step-abc", "jit_eval-def"]
 
 
 def test_a_waiting_process_passes_on_errors_other_than_a_timeout(monkeypatch):

@@ -17,10 +17,14 @@ and their processes, stays in the key through the compile options). A process th
 executable also looks in the persistent cache once a second: the compiling process shares nothing
 when it found the program on disk, which happens when another run wrote the entry between the
 two processes' reads. On several hosts, each with a cache folder of its own, that entry could be
-on one host's disk alone, so there every process compiles as before.
+on one host's disk alone, so there every process compiles as before. And a waiting process compiles
+the program itself when the compiling process has not started on it within 30 seconds (it marks
+each program it starts): a program traced differently in two processes has two keys, and would
+otherwise be waited for until JAX's timeout.
 
-JAX offers no switch for the key, so this replaces two of its private functions; with a JAX whose
-functions are not the ones expected it changes nothing and every process compiles as before.
+JAX offers no switch for the key, so this replaces two of its private functions (and calls two
+more); with a JAX whose functions are not the ones expected it changes nothing and every process
+compiles as before.
 """
 
 from __future__ import annotations
@@ -40,8 +44,26 @@ _KEY_ARGUMENTS = ["hash_obj", "accelerators"]
 _SHARE_ARGUMENTS = ["backend", "computation", "executable_devices", "compile_options", "host_callbacks",
                     "global_client", "module_name", "cache_key", "first_process_id"]
 _READ_ARGUMENTS = ["module_name", "cache_key", "compile_options", "backend", "executable_devices"]
+_COMPILE_ARGUMENTS = ["backend", "computation", "executable_devices", "compile_options", "host_callbacks",
+                      "module_name", "cache_key"]
 _IDENTITY_KEY = "eqx_diloco/compile_share/identity"
+_STARTED_KEY = "eqx_diloco/compile_share/started"  # set by the compiling process as it starts on a program
 _POLL_MS = 1000  # how long a waiting process blocks on the store before it looks on disk
+# How long a waiting process gives the compiling process to start on a program before compiling it itself
+# (the processes reach a program at different moments; a program no other process compiles would
+# otherwise be waited for until JAX's timeout, 20 minutes).
+_UNSTARTED_S = 30.0
+
+
+def _found(client, key: str, timeout_ms: int) -> bool:
+    """Whether `key` is in the key-value store within `timeout_ms` (other errors are raised)."""
+    try:
+        client.blocking_key_value_get_bytes(key, timeout_ms)
+        return True
+    except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
+        return False
 
 
 def host_identity() -> str:
@@ -69,7 +91,8 @@ def _private_functions():
     except ImportError:
         return None
     expected = [(cache_key, "_hash_accelerator_config", _KEY_ARGUMENTS), (cache_key, "_hash_devices", None),
-                (compiler, "_compile_and_share_module", _SHARE_ARGUMENTS), (compiler, "_cache_read", _READ_ARGUMENTS)]
+                (compiler, "_compile_and_share_module", _SHARE_ARGUMENTS), (compiler, "_cache_read", _READ_ARGUMENTS),
+                (compiler, "_compile_and_write_cache", _COMPILE_ARGUMENTS)]
     for module, name, arguments in expected:
         fn = getattr(module, name, None)
         if fn is None or (arguments is not None and list(inspect.signature(fn).parameters) != arguments):
@@ -130,21 +153,27 @@ def _waiting_on_disk_too(compiler):
 
     def compile_or_wait(backend, computation, executable_devices, compile_options, host_callbacks, global_client,
                         module_name, cache_key, first_process_id):
-        waits = (jax.process_index() != first_process_id and cache_key not in share.modules_cache)
-        deadline = time.monotonic() + jax.config.jax_share_binary_between_hosts_timeout_ms / 1000
-        while waits and time.monotonic() < deadline:
-            try:
-                global_client.blocking_key_value_get_bytes(cache_key, _POLL_MS)
-                break  # shared: JAX's own function reads it again at once and loads it
-            except jax.errors.JaxRuntimeError as e:
-                if "DEADLINE_EXCEEDED" not in str(e):
-                    raise
+        args = (backend, computation, executable_devices, compile_options, host_callbacks, global_client, module_name,
+                cache_key, first_process_id)
+        if cache_key in share.modules_cache:
+            return share(*args)
+        if jax.process_index() == first_process_id:
+            global_client.key_value_set_bytes(f"{_STARTED_KEY}/{cache_key}", b"", allow_overwrite=True)
+            return share(*args)
+        start = time.monotonic()
+        while time.monotonic() < start + jax.config.jax_share_binary_between_hosts_timeout_ms / 1000:
+            if _found(global_client, cache_key, _POLL_MS):
+                return share(*args)  # shared: JAX's own function reads it again at once and loads it
             executable, _ = compiler._cache_read(module_name, cache_key, compile_options, backend, executable_devices)
             if executable is not None:  # the compiling process found it on disk and shares nothing
                 share.modules_cache[cache_key] = executable
                 return executable
-        return share(backend, computation, executable_devices, compile_options, host_callbacks, global_client,
-                     module_name, cache_key, first_process_id)
+            if time.monotonic() > start + _UNSTARTED_S and not _found(global_client, f"{_STARTED_KEY}/{cache_key}", 1):
+                break  # the compiling process never got to this key: a program it traced otherwise
+        executable = compiler._compile_and_write_cache(backend, computation, executable_devices, compile_options,
+                                                       host_callbacks, module_name, cache_key)
+        share.modules_cache[cache_key] = executable
+        return executable
 
     compile_or_wait.modules_cache = share.modules_cache  # JAX's function reaches its cache through its module name
     compile_or_wait.jax_share = share
