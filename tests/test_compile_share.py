@@ -42,6 +42,7 @@ def test_processes_agree_only_when_every_one_published_the_same():
     assert store.values[f"{_compile_share._IDENTITY_KEY}/0"] == b"x86_64|cpu|avx2|/cache"
     other = FakeStore({f"{_compile_share._IDENTITY_KEY}/1": b"x86_64|cpu|avx512f|/cache"})
     assert not _compile_share.agree(other, 0, 2, "x86_64|cpu|avx2|/cache", timeout_ms=10)
+    assert not _compile_share.agree(FakeStore(), 0, 2, "x86_64|cpu|avx2|/cache", timeout_ms=10)  # 1 never came
 
 
 def test_the_host_identity_names_the_host_and_jaxlib():

@@ -104,10 +104,19 @@ def _private_functions():
 
 
 def agree(client, process_id: int, num_processes: int, mine: str, timeout_ms: int) -> bool:
-    """Publish `mine` for process `process_id` and whether every process published the same."""
+    """Publish `mine` for process `process_id` and whether every process published the same within
+    `timeout_ms` (a process that has not published by then counts as different)."""
     client.key_value_set_bytes(f"{_IDENTITY_KEY}/{process_id}", mine.encode(), allow_overwrite=True)
-    return all(client.blocking_key_value_get_bytes(f"{_IDENTITY_KEY}/{p}", timeout_ms).decode() == mine
-               for p in range(num_processes))
+    for p in range(num_processes):
+        try:
+            theirs = client.blocking_key_value_get_bytes(f"{_IDENTITY_KEY}/{p}", timeout_ms).decode()
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+            return False
+        if theirs != mine:
+            return False
+    return True
 
 
 def share_compiles(cache_folder: Path | None, *, timeout_ms: int = 120_000) -> bool:
