@@ -22,7 +22,7 @@ the program itself when the compiling process has not started on it within 30 se
 each program it starts): a program traced differently in two processes has two keys, and would
 otherwise be waited for until JAX's timeout.
 
-JAX offers no switch for the key, so this replaces two of its private functions (and calls two
+JAX offers no switch for the key, so this replaces two of its private functions (and calls three
 more); with a JAX whose functions are not the ones expected it changes nothing and every process
 compiles as before.
 """
