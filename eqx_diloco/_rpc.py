@@ -126,13 +126,18 @@ class SyncerService:
         if not hmac.compare_digest(str(sent).encode(), self.token):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "refused: wrong or missing shared secret")
 
+    @staticmethod
+    def _message(request: bytes, context: grpc.ServicerContext) -> dict:
+        """The request's message (raises `WireFormatError`, or `Refused` when it is not an object)."""
+        message = decode(request, source=f"a request from {context.peer()}")
+        if not isinstance(message, dict):
+            raise Refused("the request is not an object")
+        return message
+
     def _attend(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         self._check_token(context)
         try:
-            message = decode(request, source=f"a request from {context.peer()}")
-            if not isinstance(message, dict):
-                raise Refused("the request is not an object")
-            island = message.get("island")
+            island = self._message(request, context).get("island")
             self.syncer.connected(island)
         except (Refused, WireFormatError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
@@ -150,9 +155,7 @@ class SyncerService:
             self._check_token(context)
             island = None
             try:
-                message = decode(request, source=f"a request from {context.peer()}")
-                if not isinstance(message, dict):
-                    raise Refused("the request is not an object")
+                message = self._message(request, context)
                 island = message.get("island")
                 return encode(method(message))
             except Refused as e:
