@@ -55,15 +55,15 @@ _POLL_MS = 1000  # how long a waiting process blocks on the store before it look
 _UNSTARTED_S = 30.0
 
 
-def _found(client, key: str, timeout_ms: int) -> bool:
-    """Whether `key` is in the key-value store within `timeout_ms` (other errors are raised)."""
+def _get(client, key: str, timeout_ms: int) -> bytes | None:
+    """The value of `key` in the key-value store, or None if it is not there within `timeout_ms` (other
+    errors are raised)."""
     try:
-        client.blocking_key_value_get_bytes(key, timeout_ms)
-        return True
+        return client.blocking_key_value_get_bytes(key, timeout_ms)
     except jax.errors.JaxRuntimeError as e:
         if "DEADLINE_EXCEEDED" not in str(e):
             raise
-        return False
+        return None
 
 
 def host_identity() -> str:
@@ -107,25 +107,16 @@ def agree(client, process_id: int, num_processes: int, mine: str, timeout_ms: in
     """Publish `mine` for process `process_id` and whether every process published the same within
     `timeout_ms` (a process that has not published by then counts as different)."""
     client.key_value_set_bytes(f"{_IDENTITY_KEY}/{process_id}", mine.encode(), allow_overwrite=True)
-    for p in range(num_processes):
-        try:
-            theirs = client.blocking_key_value_get_bytes(f"{_IDENTITY_KEY}/{p}", timeout_ms).decode()
-        except jax.errors.JaxRuntimeError as e:
-            if "DEADLINE_EXCEEDED" not in str(e):
-                raise
-            return False
-        if theirs != mine:
-            return False
-    return True
+    return all(_get(client, f"{_IDENTITY_KEY}/{p}", timeout_ms) == mine.encode() for p in range(num_processes))
 
 
 def share_compiles(cache_folder: Path | None, *, timeout_ms: int = 120_000) -> bool:
     """In a multi-process CPU run, let the lowest process of each program compile it for all (see the
     module's docstring). Every process must call it (it exchanges one value with the others); returns
     whether sharing is on. Off when the cache is off (`cache_folder` None) or hosts or folders differ."""
-    from jax._src import distributed
+    from .._replica_values import _kv_client
 
-    client = distributed.global_state.client
+    client = _kv_client()
     functions = _private_functions()
     usable = cache_folder is not None and functions is not None
     mine = f"{host_identity()}|{Path(cache_folder).resolve()}" if usable else f"off {os.getpid()}"  # never agrees
@@ -171,13 +162,13 @@ def _waiting_on_disk_too(compiler):
             return share(*args)
         start = time.monotonic()
         while time.monotonic() < start + jax.config.jax_share_binary_between_hosts_timeout_ms / 1000:
-            if _found(global_client, cache_key, _POLL_MS):
+            if _get(global_client, cache_key, _POLL_MS) is not None:
                 return share(*args)  # shared: JAX's own function reads it again at once and loads it
             executable, _ = compiler._cache_read(module_name, cache_key, compile_options, backend, executable_devices)
             if executable is not None:  # the compiling process found it on disk and shares nothing
                 share.modules_cache[cache_key] = executable
                 return executable
-            if time.monotonic() > start + _UNSTARTED_S and not _found(global_client, f"{_STARTED_KEY}/{cache_key}", 1):
+            if time.monotonic() > start + _UNSTARTED_S and _get(global_client, f"{_STARTED_KEY}/{cache_key}", 1) is None:
                 break  # the compiling process never got to this key: a program it traced otherwise
         executable = compiler._compile_and_write_cache(backend, computation, executable_devices, compile_options,
                                                        host_callbacks, module_name, cache_key)
