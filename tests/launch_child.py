@@ -8,7 +8,7 @@ elastic launcher, one per island, and the pid file is named by the island):
 - `ignore`: ignore SIGTERM and SIGHUP and sleep (only SIGKILL ends it);
 - `freeze`: stop itself with SIGSTOP;
 - `ok`: exit 0 at once;
-- `fail`: exit 3 after a moment;
+- `fail`: exit 3 a moment after every process has written its pid file;
 - `gave-up-on-1`: after a moment, print what JAX prints when task 1 stops sending heartbeats, exit 1.
 """
 
@@ -29,6 +29,12 @@ mode = os.environ["LAUNCH_CHILD_MODES"].split(",")[index]
 if mode == "ok":
     sys.exit(0)
 if mode == "fail":
+    # Fail only once every process has written its pid file: a test reads them all before the launcher
+    # stops the others (it stops them as soon as this one exits).
+    deadline = time.monotonic() + 60
+    modes = os.environ["LAUNCH_CHILD_MODES"].split(",")
+    while not all((pid_dir / f"pid_{i}").exists() for i in range(len(modes))) and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(0.5)
     sys.exit(3)
 if mode == "gave-up-on-1":

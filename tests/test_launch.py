@@ -14,6 +14,23 @@ import pytest
 TESTS = Path(__file__).parent
 
 pytestmark = pytest.mark.slow  # every test here starts processes
+_launchers: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_launchers_left_running():
+    """A failed test leaves its launcher (and the launcher's children) running and its pipes open, which
+    shows up as a warning in whichever test runs next: stop it here (SIGTERM reaches its children)."""
+    yield
+    while _launchers:
+        proc = _launchers.pop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
 
 
 def _alive(pid: int) -> bool:
@@ -32,12 +49,13 @@ def _start(tmp_path, modes: list[str], *launcher_flags: str) -> tuple[subprocess
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(len(modes)), "--module", "launch_child",
            *launcher_flags]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), pid_dir
+    _launchers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return _launchers[-1], pid_dir
 
 
 def _child_pids(proc: subprocess.Popen, pid_dir: Path, n: int, timeout: float = 60) -> list[int]:
     deadline = time.monotonic() + timeout
-    while len(list(pid_dir.glob("pid_[0-9]*"))) < n:
+    while not all((pid_dir / f"pid_{i}").exists() for i in range(n)):  # not pid_<i>.tmp: it is renamed when written
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the children did not start"
         time.sleep(0.05)
@@ -173,7 +191,8 @@ def _start_marked(tmp_path, plan: list[str], *launcher_flags: str) -> subprocess
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", str(len(plan)), "--module",
            "launch_marker_child", *launcher_flags]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _launchers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return _launchers[-1]
 
 
 def test_the_process_that_failed_first_is_blamed_not_the_first_to_exit(tmp_path):
