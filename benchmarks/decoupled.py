@@ -4,7 +4,7 @@ Every run is `python -m eqx_diloco.launch --num-processes 4 ...` on this machine
 replica each, as separate processes:
 
 - `decoupled`: `--decoupled` (a syncer and 4 independent islands; `--decoupled.adaptive-h` in the slow
-  scenario); in the failures scenario also `decoupled-no-wait`, the same with `--decoupled.no-wait`
+  and paced scenarios); in the failures scenario also `decoupled-no-wait`, the same with `--decoupled.no-wait`
   (an island pushes in the background and never waits for a merge);
 - `sync`: the synchronous multi-process run (`--diloco.num-replicas 4`), one JAX world;
 - `elastic`: the synchronous run with `--elastic.enabled` (the failures scenario: a lost island
@@ -19,7 +19,15 @@ Scenarios:
    decoupled run), so it runs at half speed. Wall time from the launch to the first evaluation of the
    global model at or below the target loss: 1.05 x the mean final eval loss of the equal scenario's
    synchronous runs (within 5% of the fully trained model, fixed before any slow run).
-3. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
+   On this machine's shared cores a sleeping island frees its share for the others, which a
+   synchronous run's islands use while they wait for it: the sleep slows island 3 without costing
+   the synchronous run what a slower island costs on hardware of its own.
+3. **paced**: the slow scenario with every island on a pace of its own (`$EQX_DILOCO_STEP_PERIODS`,
+   the other benchmark-only knob): islands 0-2 step once per `PACE_FACTOR` median steps, island 3
+   half as often. The pace is longer than a step takes on the shared cores, so each island runs at
+   the speed it would have alone, whatever the others do: the case of islands on separate hardware,
+   one of an older generation. Same target and measure as slow.
+4. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
    mean `--kill-every-s` seconds, default `KILL_EVERY_S`, from the first step, `--max-kills` of them, a
    kill only once every island killed before has come back), `--max-restarts` enough for all, in
    runs of twice the steps (so the kills fall inside training). Reported per mode:
@@ -36,7 +44,7 @@ Scenarios:
      stretch of the failure-free run (the machine's own jitter); `elastic`, the run's stall at the
      loss and at the rejoin (its `stalled_s` events);
    - wall time and final eval loss.
-4. **long_steps**: the failures scenario for the decoupled modes at `LONG_STEP_BATCH` sequences per
+5. **long_steps**: the failures scenario for the decoupled modes at `LONG_STEP_BATCH` sequences per
    island step (`LONG_STEP_STEPS` steps): a step of several hundred ms, against which the jitter of 4
    islands and a syncer sharing 2 cores is small, so what a kill itself costs the survivors shows.
 
@@ -46,7 +54,7 @@ feedback, the CLI's default inner AdamW and outer optimizer, 16 evaluation seque
 every island, no Orbax checkpoints in the trainer (the elastic mode uses its island snapshots; the syncer
 checkpoints), JAX's compilation cache in a folder of this benchmark shared by all runs; the decoupled
 grace window adaptive (the CLI defaults). Modes (`--quick` default: 3 seeds of equal and slow, one
-failures run per mode, 300 steps; `--full`: 3 failure seeds; `--smoke`: 1 seed, equal only, 30 steps).
+failures run per mode, 300 steps, slow and paced: 3 seeds; `--full`: 3 failure seeds; `--smoke`: 1 seed, equal only, 30 steps).
 
 Output: `decoupled.json` and `decoupled.md` in `--out-dir` (default runs/benchmarks/decoupled_<mode>;
 committed results only with `--out-dir benchmarks/results`). Run `python -m benchmarks.decoupled --help`.
@@ -76,6 +84,7 @@ LONG_STEP_BATCH, LONG_STEP_STEPS = 48, 200
 KILL_EVERY_S = 25.0
 MAX_KILLS = 3
 TARGET_FACTOR = 1.05
+PACE_FACTOR = 2.0  # the paced scenario's fast islands step once per this many median steps (of the equal runs)
 FLAGS = ["--model.num-layers", "2", "--model.dim", "64", "--model.num-heads", "2",
          "--train.seq-len", str(SEQ_LEN), "--data.source", "corpus", "--data.max-corpus-bytes", "1000000",
          "--diloco.sync-period", "10", "--diloco.quantize", "int4", "--diloco.error-feedback",
@@ -100,10 +109,11 @@ class Run:
     """One launcher run, observed every 20 ms: evaluations as they appear, the first step, kills."""
 
     def __init__(self, kind: str, seed: int, steps: int, work: pathlib.Path, cache: pathlib.Path, *,
-                 slow_s: float = 0.0, kills: list[float] | None = None, kill_seed: int = 0, batch: int = BATCH):
+                 slow_s: float = 0.0, periods: dict[int, float] | None = None, kills: list[float] | None = None,
+                 kill_seed: int = 0, batch: int = BATCH):
         self.kind, self.seed = kind, seed
         self.tokens_per_step = batch * SEQ_LEN
-        self.run_dir = work / (f"{kind}_seed{seed}_{steps}_{'kills' if kills else 'slow' if slow_s else 'equal'}"
+        self.run_dir = work / (f"{kind}_seed{seed}_{steps}_{'kills' if kills else 'slow' if slow_s else 'paced' if periods else 'equal'}"
                                f"_batch{batch}")
         shutil.rmtree(self.run_dir, ignore_errors=True)
         launcher = ["--num-processes", str(ISLANDS), "--grace-s", "20", "--log-dir", str(self.run_dir) + "_logs"]
@@ -112,7 +122,7 @@ class Run:
         self.decoupled = kind.startswith("decoupled")
         if self.decoupled:
             launcher = ["--decoupled", *launcher]
-            trainer += ["--decoupled.adaptive-h"] if slow_s else []
+            trainer += ["--decoupled.adaptive-h"] if slow_s or periods else []
             trainer += ["--decoupled.no-wait"] if kind == "decoupled-no-wait" else []
         else:
             trainer += ["--diloco.num-replicas", str(ISLANDS)]
@@ -124,8 +134,11 @@ class Run:
         self.cmd = [sys.executable, "-m", "eqx_diloco.launch", *launcher, "--", *trainer]
         self.env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
         self.env.pop("EQX_DILOCO_SLOW_ISLANDS", None)
+        self.env.pop("EQX_DILOCO_STEP_PERIODS", None)
         if slow_s:
             self.env["EQX_DILOCO_SLOW_ISLANDS"] = f"{ISLANDS - 1}:{slow_s:.4f}"
+        if periods:
+            self.env["EQX_DILOCO_STEP_PERIODS"] = ",".join(f"{k}:{p:.4f}" for k, p in periods.items())
         self.kill_plan, self.kill_rng = list(kills or []), random.Random(kill_seed)
         self.kills: list[dict] = []
         self.evals: list[dict] = []
@@ -291,15 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
                         help="mean seconds between kills in the failures and long_steps scenarios")
     parser.add_argument("--max-kills", type=int, default=MAX_KILLS, help="kills per run in those scenarios")
-    parser.add_argument("--scenarios", default="equal,slow,failures,long_steps",
-                        help="which to run (comma-separated; equal implies slow); the others are kept from "
+    parser.add_argument("--scenarios", default="equal,slow,paced,failures,long_steps",
+                        help="which to run (comma-separated; equal implies slow and paced); the others are kept from "
                              "--out-dir's decoupled.json")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
-    if not scenarios <= {"equal", "slow", "failures", "long_steps"}:
-        parser.error(f"--scenarios takes equal, slow, failures, long_steps (got {args.scenarios})")
+    if not scenarios <= {"equal", "slow", "paced", "failures", "long_steps"}:
+        parser.error(f"--scenarios takes equal, slow, paced, failures, long_steps (got {args.scenarios})")
     if "equal" in scenarios:
-        scenarios.add("slow")  # its target loss comes from the equal runs
+        scenarios |= {"slow", "paced"}  # their target loss and step times come from the equal runs
     mode = args.mode or "quick"
     pinned = MODES[mode]
     out_dir = args.out_dir or common.default_out_dir("decoupled", mode)
@@ -329,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("mode") != mode:
         result = {}
     for scenario in scenarios:  # measured again below
-        for key in {"equal": ["equal"], "slow": ["slow"], "failures": ["failure_free", "failures"],
+        for key in {"equal": ["equal"], "slow": ["slow"], "paced": ["paced"], "failures": ["failure_free", "failures"],
                     "long_steps": ["long_steps_free", "long_steps"]}[scenario]:
             result.pop(key, None)
     if "equal" in scenarios:
@@ -346,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after each scenario: a run that fails later keeps what was measured
         out_dir.mkdir(parents=True, exist_ok=True)
         slim = json.loads(json.dumps(common.jsonable(result)))
-        for scenario in ("equal", "slow", "failure_free", "failures", "long_steps_free", "long_steps"):
+        for scenario in ("equal", "slow", "paced", "failure_free", "failures", "long_steps_free", "long_steps"):
             for runs in slim.get(scenario, {}).values():
                 for r in runs:
                     r.pop("step_times", None)
@@ -354,13 +367,18 @@ def main(argv: list[str] | None = None) -> int:
         common.write_text(out_dir / "decoupled.md", report(slim))
 
     save()
-    if pinned["slow"] and "slow" in scenarios:
-        result["revisions"]["slow"] = revision
-        slow_s = result["median_step_s"]
-        result["target_eval_loss"] = target = TARGET_FACTOR * sync_final
-        result["slow"] = {kind: [run(kind, s, slow_s=slow_s) for s in range(pinned["seeds"])]
-                          for kind in ("decoupled", "sync")}
-        for runs in result["slow"].values():
+    result["target_eval_loss"] = target = TARGET_FACTOR * sync_final
+    for scenario in ("slow", "paced"):
+        if not (pinned["slow"] and scenario in scenarios):
+            continue
+        result["revisions"][scenario] = revision
+        if scenario == "slow":
+            slow = {"slow_s": result["median_step_s"]}
+        else:
+            result["pace_s"] = pace = PACE_FACTOR * result["median_step_s"]
+            slow = {"periods": {k: pace * (2 if k == ISLANDS - 1 else 1) for k in range(ISLANDS)}}
+        result[scenario] = {kind: [run(kind, s, **slow) for s in range(pinned["seeds"])] for kind in ("decoupled", "sync")}
+        for runs in result[scenario].values():
             for r in runs:
                 r["time_to_target_s"] = time_to_target(r, target)
         save()
@@ -445,12 +463,23 @@ def report(result: dict) -> str:
                             {r["seed"]: r["final_eval_loss"] for r in equal["sync"]})
     lines += [f"Decoupled vs synchronous final eval loss, paired by seed: {common.fmt_pm(gap, '+.2f', '%')} "
               f"(target: within 2%). Median island step: {result['median_step_s'] * 1000:.1f} ms.", ""]
-    if "slow" in result:
-        lines += ["## Island 3 at half speed", "",
-                  f"Island 3 sleeps {result['median_step_s'] * 1000:.1f} ms after each step; target eval loss "
-                  f"{result['target_eval_loss']:.4f} (1.05 x the synchronous runs' final loss above).", ""]
+    for scenario in ("slow", "paced"):
+        if scenario not in result:
+            continue
+        if scenario == "slow":
+            lines += ["## Island 3 at half speed", "",
+                      f"Island 3 sleeps {result['median_step_s'] * 1000:.1f} ms after each step; target eval loss "
+                      f"{result['target_eval_loss']:.4f} (1.05 x the synchronous runs' final loss above). The "
+                      "islands share this machine's cores: while island 3 sleeps and the synchronous run's other "
+                      "islands wait for it, its next step has the cores to itself.", ""]
+        else:
+            lines += ["## Island 3 at half speed, every island on a pace of its own", "",
+                      f"Islands 0-2 step once per {result['pace_s'] * 1000:.0f} ms ({PACE_FACTOR:g} median steps), "
+                      f"island 3 once per {2 * result['pace_s'] * 1000:.0f} ms (`$EQX_DILOCO_STEP_PERIODS`): each runs "
+                      "at the speed it would have on hardware of its own, as islands on separate machines do. "
+                      "Same target.", ""]
         rows = []
-        for kind, runs in result["slow"].items():
+        for kind, runs in result[scenario].items():
             reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
             rows.append([kind, str(len(runs)), f"{len(reached)} / {len(runs)}", common.fmt_pm(ms(reached), ".1f", " s"),
                          common.fmt_pm(ms(r["final_eval_loss"] for r in runs), ".4f"),

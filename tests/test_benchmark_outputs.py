@@ -122,6 +122,22 @@ def test_peak_bandwidth_smoke(tmp_path):
     assert frag["final_sync_line"].startswith("final sync of parameter group(s)")
 
 
+def test_decoupled_benchmark_paces_islands_through_the_environment_knob(tmp_path):
+    """The paced scenario's runs: every island's period in `$EQX_DILOCO_STEP_PERIODS`, decoupled islands
+    with adaptive H; the slow scenario's knob unset (a caller's leftover must not leak in)."""
+    from benchmarks import decoupled
+
+    periods = {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.2}
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("EQX_DILOCO_SLOW_ISLANDS", "1:5")
+        paced = decoupled.Run("decoupled", 0, 10, tmp_path, tmp_path / "cache", periods=periods)
+        sync = decoupled.Run("sync", 0, 10, tmp_path, tmp_path / "cache", periods=periods)
+    assert paced.env["EQX_DILOCO_STEP_PERIODS"] == "0:0.1000,1:0.1000,2:0.1000,3:0.2000"
+    assert "EQX_DILOCO_SLOW_ISLANDS" not in paced.env and "--decoupled.adaptive-h" in paced.cmd
+    assert sync.env["EQX_DILOCO_STEP_PERIODS"] == paced.env["EQX_DILOCO_STEP_PERIODS"]
+    assert "--decoupled.adaptive-h" not in sync.cmd and paced.run_dir.name.endswith("_paced_batch8")
+
+
 def test_decoupled_kill_gaps_take_the_survivors_and_the_same_stretch_of_the_failure_free_run():
     from benchmarks import decoupled
 

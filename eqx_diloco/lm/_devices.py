@@ -1,6 +1,5 @@
 """The CLI's devices and meshes from its flags: CPU device count, `jax.distributed`, `build_meshes`."""
 
-import functools
 import os
 import re
 import socket
@@ -220,47 +219,3 @@ def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
                         replicas_per_device=config.mesh.replicas_per_device or None, fsdp=config.mesh.fsdp,
                         tensor=config.mesh.tensor)
 
-
-# A test hook, read here only: "P:T" makes the process with JAX process index P raise at step T, as a
-# failure that process alone sees would (a bug, a disk error). Never set outside tests:
-# tests/test_multiprocess.py uses it to check that such a process leaves at once and is the one blamed.
-TEST_FAIL_ENV = "EQX_DILOCO_TEST_FAIL_AT_STEP"
-
-
-def fail_for_test(step: int) -> None:
-    """Raise at step `step` in the process `$EQX_DILOCO_TEST_FAIL_AT_STEP` names (tests only)."""
-    spec = os.environ.get(TEST_FAIL_ENV)
-    if spec and spec == f"{jax.process_index()}:{step}":
-        raise RuntimeError(f"${TEST_FAIL_ENV}={spec}: process {jax.process_index()} fails at step {step} (test hook)")
-
-
-SLOW_ISLANDS_ENV = "EQX_DILOCO_SLOW_ISLANDS"
-
-
-@functools.cache
-def slowdown_s(islands: tuple[int, ...], *, all_processes: bool = False) -> float:
-    """Benchmark only: seconds this process sleeps after each step, from `$EQX_DILOCO_SLOW_ISLANDS`
-    (`K:SECONDS,...`: island K sleeps SECONDS per step once the step is computed), to emulate an island
-    on slower hardware; 0 when unset. `islands`: this process's islands, or with `all_processes` every
-    replica's island of a multi-process run (this process holds its equal share of them)."""
-    if all_processes:
-        R, P = len(islands), jax.process_count()
-        # This process's block of R / P replicas, or the one island it is a part of (R < P).
-        islands = islands[jax.process_index() * R // P:][:max(1, R // P)]
-    spec = os.environ.get(SLOW_ISLANDS_ENV, "")
-    extra = 0.0
-    for item in filter(None, spec.split(",")):
-        island, _, seconds = item.partition(":")
-        try:
-            if int(island) in islands:
-                extra = max(extra, float(seconds))
-        except ValueError:
-            raise ValueError(f"${SLOW_ISLANDS_ENV} must be K:SECONDS,... (got {spec!r})") from None
-    return extra
-
-
-def slow_down(seconds: float, value: jax.Array) -> None:
-    """Benchmark only: once `value` (the step's loss) is computed, sleep `seconds` (see `slowdown_s`)."""
-    if seconds:
-        jax.block_until_ready(value)
-        time.sleep(seconds)

@@ -33,7 +33,7 @@ from .._mesh import INNER
 from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
 from ._core import lm_objective, new_model, transformer_specs
 from ._core import place as place_batch
-from ._devices import slowdown_s
+from ._env_hooks import island_speed
 from .config import Config, ConfigError, error_feedback_argument
 from .data import TokenBatches, load_tokens
 from .metrics import MetricsLog
@@ -127,7 +127,7 @@ def run_island(config: Config) -> int:
         client=client, island=k, quantize=d.quantize, error_feedback=error_feedback_argument(d))
     group = IslandGroup(island, shardings, num_fragments=num_fragments, num_processes=jax.process_count())
     step_fn = _make_step(static, optimizer, config.model.dropout)
-    extra_s = slowdown_s((k,))  # benchmark only
+    speed = island_speed((k,))  # benchmark only
     tokens_per_step = t.batch_size * t.seq_len
     log = MetricsLog(folder, append=True) if leader else None
 
@@ -154,8 +154,7 @@ def run_island(config: Config) -> int:
             batch = place_batch(batches.batch(step)[0], batch_sharding)
             params, opt_state, loss = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
             loss = float(loss)
-            if extra_s:
-                time.sleep(extra_s)
+            speed.hold(loss)
             took = time.perf_counter() - began
             seconds_per_step = took if seconds_per_step is None else 0.9 * seconds_per_step + 0.1 * took
             write({"step": step + 1, "time": time.time() - t0, "loss": loss, "tokens": tokens_per_step})

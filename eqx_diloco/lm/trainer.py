@@ -25,7 +25,7 @@ from .._tree import row_finite
 from ._banner import finished_message, format_summary
 from ._compile_cpus import narrow_to_share, widen_for_compiles
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
-from ._devices import fail_for_test, slow_down, slowdown_s
+from ._env_hooks import fail_for_test, island_speed
 from ._finite import FiniteChecks, finite_check
 from ._hooks import Hook
 from ._phases import mark
@@ -245,8 +245,8 @@ class Trainer:
             self.checkpointer.poll()  # a failed asynchronous save stops the run here, not at the next save
             tokens = place(self.batches.batch(step), self.batch_sharding)
             state, metrics = self.core.step(state, tokens, before_sync=self.router_drift)
-            fail_for_test(t)  # tests only: $EQX_DILOCO_TEST_FAIL_AT_STEP (see _devices.py)
-            slow_down(slowdown_s(self.islands, all_processes=True), metrics["loss"])  # benchmarks only
+            fail_for_test(t)  # tests only: $EQX_DILOCO_TEST_FAIL_AT_STEP (see _env_hooks.py)
+            island_speed(self.islands, all_processes=True).hold(metrics["loss"])  # benchmarks only
             if step == start:  # the step programs (and those of the syncs due now) compiled in that call
                 report.note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
                 mark("first step compiled and dispatched")
