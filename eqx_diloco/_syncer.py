@@ -5,7 +5,8 @@ wraps it) and thread-safe: every island's call runs in its own server thread.
 **Windows.** Contributions to a fragment collect in an open *window*. The first contribution opens
 it; it closes, and is merged, once `min_quorum` of the *present* islands are in it, or once the grace
 window has passed since it opened. An island that contributed waits for its window to close and gets
-the merged fragment back, so no island ever waits longer than the grace window. An island is present
+the merged fragment back, so no island waits longer than the grace window (a late one, below, at most
+`grace_max_s`). An island is present
 once it first joined; it stops counting towards the quorum when its connection closes (`disconnected`:
 its process ended or its link dropped; the others stop waiting at once), or when a window closes by
 grace without it (it is dead but its connection lingers, or it is slow), and counts again as soon as
@@ -13,6 +14,15 @@ it contributes. An island that joins again (it restarted, or fell too far behind
 behind the others, so it counts only from its first contribution: no window waits for its restart.
 So a lost island whose connection closes costs the others no wait, and one that hangs costs one grace
 window, once.
+
+**A late island rejoins the others' phase.** An island that a window closed by grace without (it was
+slower than the window by a little or by a lot) finds, when its contribution comes, the others already
+training towards their next report. Merged on its own, it would move theta_g between their rounds,
+so their next contributions, and its own after, would all be a version stale, and the two groups
+would stay out of phase, each window waiting a grace window for the other. Instead its contribution
+opens a *patient* window: it waits for the others' next contributions (their quorum and grace
+window, counted from the first of them; at most `grace_max_s` in all) and is merged with them, a
+version stale. The island then gets the same theta_g as the others, at the same moment: in phase again.
 
 **Adaptive grace.** With `grace_s=None`, the grace window is `grace_factor` times the median lag of
 recent arrivals behind their window's first arrival (in windows that filled their quorum), but at
@@ -93,6 +103,8 @@ class _Ticket:
 class _Window:
     opened: float
     tickets: list[_Ticket]
+    patient: bool = False  # opened by an island a grace window left out: waits for the others' next report
+    first: int = 0  # the ticket that opened it as an ordinary window (the others' lags count from it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +183,7 @@ class Syncer:
         self.steps_per_s: dict[int, float] = {}  # each island's reported speed
         self.merges: list[MergeRecord] = []
         self._windows: dict[int, _Window] = {}
+        self._late: dict[int, set[int]] = {}  # per fragment: islands its last window closed by grace without
         self._lags: deque[float] = deque(maxlen=64)
         self._lock = threading.Lock()
         self._update = jax.jit(lambda theta, state, gradient: self._apply(outer_optimizer, theta, state, gradient))
@@ -289,11 +302,15 @@ class Syncer:
                 self.steps_per_s[island] = float(steps_per_s)
             now = self.clock()
             ticket = _Ticket(island, fragment, base_version, tokens, delta, now)
+            late = island in self._late.get(fragment, ())
+            self._late.get(fragment, set()).discard(island)
             window = self._windows.get(fragment)
             if window is None:
-                window = self._windows[fragment] = _Window(now, [])
+                window = self._windows[fragment] = _Window(now, [], patient=late)
             elif any(t.island == island for t in window.tickets):
                 raise Refused(f"island {island} contributed to fragment {fragment} twice in one window")
+            elif window.patient and not late:  # the others' next report: from now on an ordinary window
+                window.opened, window.patient, window.first = now, False, len(window.tickets)
             window.tickets.append(ticket)
             self.present.add(island)
             records = self._close_ready(now)
@@ -342,10 +359,15 @@ class Syncer:
             islands = {t.island for t in window.tickets}
             quorum = min(self.min_quorum, len(self.present | islands))
             full = len(islands) >= quorum
-            if full or now - window.opened >= self.grace():
+            if window.patient:  # bounded all the same: the others may be gone with their connections open
+                expired = now - window.opened >= self.grace_max_s
+            else:
+                expired = now - window.opened >= self.grace()
+            if full or expired:
                 if full:
-                    self._lags.extend(t.arrived - window.opened for t in window.tickets[1:])
+                    self._lags.extend(t.arrived - window.opened for t in window.tickets[window.first + 1:])
                 else:
+                    self._late[fragment] = self.present - islands
                     self.present &= islands  # the missing islands stop holding windows open
                 del self._windows[fragment]
                 records.append(self._merge(fragment, window, by_grace=not full, now=now))

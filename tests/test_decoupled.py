@@ -114,6 +114,53 @@ def test_windows_close_at_the_quorum_or_after_the_grace_window():
     assert d.done.is_set()
 
 
+def test_an_island_a_grace_window_left_out_is_merged_with_the_others_next_report():
+    """Islands 0 and 1 report every second; island 2, a little late once, missed a window. Merged on its
+    own, it would make every later window a version stale and out of phase; it waits for the others' next
+    report instead, and from then on the three report together again."""
+    syncer, clock = fake_syncer(3, grace_s=0.2, grace_max_s=5.0)
+    one = np.ones(4, np.float32)
+    syncer.contribute(0, 0, 0, 10, one)
+    syncer.contribute(1, 0, 0, 10, one)
+    clock.now = 0.2
+    syncer.poll()  # island 2 is 0.3 s late: the window closes by grace without it
+    assert syncer.merges[-1].islands == (0, 1) and syncer.merges[-1].by_grace
+    clock.now = 0.3
+    late = syncer.contribute(2, 0, 0, 10, one)
+    clock.now = 0.9  # far past the grace window: still waiting for islands 0 and 1
+    syncer.poll()
+    assert not late.done.is_set() and syncer.versions == [1]
+    clock.now = 1.0
+    syncer.contribute(0, 0, 1, 10, one)
+    assert not late.done.is_set()  # an ordinary window from here: it waits for island 1
+    clock.now = 1.05
+    syncer.contribute(1, 0, 1, 10, one)
+    assert late.done.is_set() and late.result[0] == 2
+    assert syncer.merges[-1].islands == (2, 0, 1) and syncer.merges[-1].staleness == (1, 0, 0)
+    assert not syncer.merges[-1].by_grace
+    # In phase again: the next round merges all three, fresh, at the quorum.
+    for k in range(3):
+        clock.now += 0.01
+        syncer.contribute(k, 0, 2, 10, one)
+    assert syncer.merges[-1].islands == (0, 1, 2) and syncer.merges[-1].staleness == (0, 0, 0)
+    assert list(syncer._lags) == pytest.approx([0.05, 0.01, 0.02])  # from the first fresh report, not island 2
+
+
+def test_a_late_island_waits_for_the_others_at_most_the_longest_grace_window():
+    syncer, clock = fake_syncer(2, grace_s=0.2, grace_max_s=5.0)
+    one = np.ones(4, np.float32)
+    syncer.contribute(0, 0, 0, 10, one)
+    clock.now = 0.2
+    syncer.poll()
+    late = syncer.contribute(1, 0, 0, 10, one)  # island 0 hangs, its connection open: nobody comes
+    clock.now = 5.1
+    syncer.poll()
+    assert not late.done.is_set()
+    clock.now = 5.2
+    syncer.poll()
+    assert late.done.is_set() and syncer.merges[-1].islands == (1,) and syncer.merges[-1].by_grace
+
+
 def test_adaptive_grace_follows_arrival_lags_and_island_speed():
     syncer, clock = fake_syncer(2, grace_factor=3.0, grace_min_s=0.01, grace_max_s=5.0)
     assert syncer.grace() == 5.0  # nothing measured yet
