@@ -1,6 +1,5 @@
 """The benchmark knobs that emulate islands of other speeds (`eqx_diloco/lm/_env_hooks.py`)."""
 
-import time
 
 import pytest
 
