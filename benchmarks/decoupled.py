@@ -486,6 +486,11 @@ def report(result: dict) -> str:
                          common.fmt_pm(ms(r["wall_s"] for r in runs), ".1f", " s")])
         lines += [_table(["mode", "seeds", "reached target", "wall time to target", "final eval loss",
                                          "wall time"], rows), ""]
+        pairs = [(d["time_to_target_s"], s["time_to_target_s"]) for d, s in zip(result[scenario]["decoupled"],
+                                                                                result[scenario]["sync"])]
+        if pairs and all(d is not None and s is not None for d, s in pairs):
+            lines += ["Decoupled over synchronous wall time to target, paired by seed: "
+                      f"{common.fmt_pm(ms(d / s for d, s in pairs), '.3f')} (target: below 1).", ""]
     if "failures" in result:
         lines += ["## Islands killed at random", "",
                   f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean "
