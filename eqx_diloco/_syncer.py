@@ -15,14 +15,10 @@ behind the others, so it counts only from its first contribution: no window wait
 So a lost island whose connection closes costs the others no wait, and one that hangs costs one grace
 window, once.
 
-**A late island rejoins the others' phase.** An island that a window closed by grace without (it was
-slower than the window by a little or by a lot) finds, when its contribution comes, the others already
-training towards their next report. Merged on its own, it would move theta_g between their rounds,
-so their next contributions, and its own after, would all be a version stale, and the two groups
-would stay out of phase, each window waiting a grace window for the other. Instead its contribution
-opens a *patient* window: it waits for the others' next contributions (their quorum and grace
-window, counted from the first of them; at most `grace_max_s` in all) and is merged with them, a
-version stale. The island then gets the same theta_g as the others, at the same moment: in phase again.
+**A late island rejoins the others' phase.** The contribution of an island that a window closed by
+grace without opens a *patient* window: it waits for the others' next report (their quorum and grace
+from the first of them, at most `grace_max_s` in all) and is merged with it, one version stale. Merged
+alone, between the others' rounds, it would keep both sides a version stale and out of phase.
 
 **Adaptive grace.** With `grace_s=None`, the grace window is `grace_factor` times the median lag of
 recent arrivals behind their window's first arrival (in windows that filled their quorum), but at
@@ -302,8 +298,8 @@ class Syncer:
                 self.steps_per_s[island] = float(steps_per_s)
             now = self.clock()
             ticket = _Ticket(island, fragment, base_version, tokens, delta, now)
-            late = island in self._late.get(fragment, ())
-            self._late.get(fragment, set()).discard(island)
+            late = island in self._late.setdefault(fragment, set())
+            self._late[fragment].discard(island)
             window = self._windows.get(fragment)
             if window is None:
                 window = self._windows[fragment] = _Window(now, [], patient=late)
@@ -359,10 +355,8 @@ class Syncer:
             islands = {t.island for t in window.tickets}
             quorum = min(self.min_quorum, len(self.present | islands))
             full = len(islands) >= quorum
-            if window.patient:  # bounded all the same: the others may be gone with their connections open
-                expired = now - window.opened >= self.grace_max_s
-            else:
-                expired = now - window.opened >= self.grace()
+            # A patient window is bounded all the same: the others may be gone with their connections open.
+            expired = now - window.opened >= (self.grace_max_s if window.patient else self.grace())
             if full or expired:
                 if full:
                     self._lags.extend(t.arrived - window.opened for t in window.tickets[window.first + 1:])
