@@ -35,7 +35,7 @@ class DecoupledConfig:
     grace_min_s: float = 0.05
     """lower bound of the adaptive grace window, in seconds."""
     grace_max_s: float = 10.0
-    """upper bound of the adaptive grace window, in seconds (also the wait before the first lags are measured)."""
+    """upper bound of the adaptive grace window, in seconds (also the wait before the first lags are measured, and the longest a late island waits for the others' next report)."""
     max_staleness: int = 4
     """a contribution made from a theta_g more than this many versions behind is refused (its tokens are lost); fresher ones count 1 / (1 + staleness) of their tokens."""
     wait: bool = True
