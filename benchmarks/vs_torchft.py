@@ -103,6 +103,18 @@ def eqx_step_spread(metrics: Path) -> dict:
             "slowest_other_step_x": max(plain, default=0.0) / median}
 
 
+def torchft_step_spread(metrics: Path) -> dict:
+    """torchft's step times after step 1 as `eqx_step_spread` gives eqx_diloco's: replica 0's own
+    `step_time_s` per step (the step call, its sync included), the median, and the slowest step that
+    synced and the slowest that did not, as multiples of the median."""
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] > 1]
+    median = float(np.median([r["step_time_s"] for r in rows]))
+    synced = [r["step_time_s"] for r in rows if r["sync"]]
+    plain = [r["step_time_s"] for r in rows if not r["sync"]]
+    return {"median_step_s": median, "slowest_sync_step_x": max(synced, default=0.0) / median,
+            "slowest_other_step_x": max(plain, default=0.0) / median}
+
+
 def timed(cmd: list[str], env: dict, log: Path, first_line: Path | None = None) -> tuple[float, float | None]:
     """Run `cmd` to its end: (wall seconds, seconds until `first_line` held a whole line, or None).
 
@@ -152,7 +164,8 @@ def run_pair(name: str, python: str, corpus: Path, work: Path, cold: bool = Fals
     torch_tps = sum(summary["tokens_per_s_per_replica"]) / len(summary["tokens_per_s_per_replica"])
     run_dir = work / "eqx"
     eqx = run_eqx(name, corpus, run_dir, dict(os.environ), work / "eqx.log")
-    pair = {"torchft": {"wall_s": torch_wall, "start_to_step_1_s": torch_first, "tokens_per_s_per_replica": torch_tps},
+    pair = {"torchft": {"wall_s": torch_wall, "start_to_step_1_s": torch_first, "tokens_per_s_per_replica": torch_tps,
+                        **torchft_step_spread(out / "metrics_r0.jsonl")},
             "eqx_diloco": {**eqx, "tokens_per_s_per_replica": eqx_tokens_per_s(run_dir / "metrics.jsonl"),
                            **eqx_step_spread(run_dir / "metrics.jsonl")},
             "load_average": os.getloadavg()}
@@ -171,6 +184,8 @@ def summarize(pairs: list[dict]) -> dict:
         return common.mean_sd(values) if values else None
 
     spread = {k: max(p["eqx_diloco"].get(k, 0.0) for p in pairs) for k in ("slowest_sync_step_x", "slowest_other_step_x")}
+    spread.update({f"torchft_{k}": max(p["torchft"].get(k, 0.0) for p in pairs)
+                   for k in ("slowest_sync_step_x", "slowest_other_step_x")})
     return {"wall_ratio": ratios("eqx_diloco", "wall_s"), "tokens_per_s_ratio": ratios("eqx_diloco", "tokens_per_s_per_replica"),
             "start_to_step_1_ratio": ratios("eqx_diloco", "start_to_step_1_s"),
             "cold_wall_ratio": ratios("eqx_diloco_cold", "wall_s"),
@@ -193,7 +208,8 @@ def render(results: dict[str, dict]) -> str:
              "eqx_first": seconds("eqx_diloco", "start_to_step_1_s", r["repeats"]), "first": r["start_to_step_1_ratio"],
              "cold": (r["cold_wall_ratio"], r["cold_start_to_step_1_ratio"]),
              "tps": r["tokens_per_s_ratio"], "load": [p["load_average"][0] for p in r["repeats"]],
-             "spread": (r.get("slowest_sync_step_x", 0.0), r.get("slowest_other_step_x", 0.0))}
+             "spread": (r.get("slowest_sync_step_x", 0.0), r.get("slowest_other_step_x", 0.0)),
+             "torch_spread": (r.get("torchft_slowest_sync_step_x", 0.0), r.get("torchft_slowest_other_step_x", 0.0))}
             for name, r in results.items()]
     return common.markdown_table(rows, [
         ("config", "config", None), ("torchft wall s", "torch_wall", None), ("eqx wall s", "eqx_wall", None),
@@ -201,6 +217,7 @@ def render(results: dict[str, dict]) -> str:
         ("eqx start to step 1 s", "eqx_first", None), ("start to step 1 eqx/torchft", "first", pm),
         ("cold eqx/torchft: wall; start to step 1", "cold", lambda v: f"{pm(v[0])}; {pm(v[1])}"),
         ("tokens/s per replica eqx/torchft", "tps", pm),
+        ("torchft slowest step / median: sync, other", "torch_spread", lambda v: f"{v[0]:.1f}x, {v[1]:.1f}x"),
         ("eqx slowest step / median: sync, other", "spread", lambda v: f"{v[0]:.1f}x, {v[1]:.1f}x"),
         ("load average (1 min)", "load", lambda v: ", ".join(f"{x:.2f}" for x in v)),
     ])

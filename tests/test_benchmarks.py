@@ -251,7 +251,7 @@ def test_vs_torchft_says_when_torchft_is_missing_and_computes_its_ratios(tmp_pat
     assert out["wall_ratio"]["values"] == [2.0, 1.0] and out["tokens_per_s_ratio"]["values"] == [0.5, 1.5]
     assert out["start_to_step_1_ratio"]["values"] == [0.5, 0.5] and out["cold_wall_ratio"]["values"] == [4.0, 2.0]
     assert ("| diloco | 5.0, 5.0 | 10.0, 5.0 | 1.50 +- 0.71 | 4.0, 4.0 | 2.0, 2.0 | 0.50 +- 0.00 | 3.00 +- 1.41; "
-            "1.50 +- 0.00 | 1.00 +- 0.71 | 0.0x, 0.0x | 0.50, 0.50 |") in vs_torchft.render({"diloco": out})
+            "1.50 +- 0.00 | 1.00 +- 0.71 | 0.0x, 0.0x | 0.0x, 0.0x | 0.50, 0.50 |") in vs_torchft.render({"diloco": out})
     del pairs[0]["eqx_diloco_cold"], pairs[1]["eqx_diloco_cold"]  # without --cold: no cold ratios, a dash
     assert vs_torchft.summarize(pairs)["cold_wall_ratio"] is None
     assert "| 0.50 +- 0.00 | -; - |" in vs_torchft.render({"diloco": vs_torchft.summarize(pairs)})
@@ -267,6 +267,14 @@ def test_vs_torchft_says_when_torchft_is_missing_and_computes_its_ratios(tmp_pat
     metrics.write_text("\n".join(json.dumps(r) for r in records))
     spread = vs_torchft.eqx_step_spread(metrics)
     assert spread == {"median_step_s": 0.5, "slowest_sync_step_x": 3.0, "slowest_other_step_x": 4.0}
+    # torchft's, from replica 0's own step times: step 1 left out, a sync step of 0.3 s, another of 0.25 s.
+    rows = [{"step": s, "step_time_s": 5.0 if s == 1 else 0.3 if s == 10 else 0.25 if s == 7 else 0.1,
+             "sync": s % 10 == 0} for s in range(1, 41)]
+    (tmp_path / "metrics_r0.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    spread = vs_torchft.torchft_step_spread(tmp_path / "metrics_r0.jsonl")
+    assert spread == pytest.approx({"median_step_s": 0.1, "slowest_sync_step_x": 3.0, "slowest_other_step_x": 2.5})
+    pairs[0]["torchft"].update(spread)
+    assert "| 3.0x, 2.5x | 0.0x, 0.0x |" in vs_torchft.render({"diloco": vs_torchft.summarize(pairs)})
 
 
 @pytest.mark.slow  # compiles and times both settings

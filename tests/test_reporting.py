@@ -96,6 +96,28 @@ def test_steps_travel_lag_at_a_time_and_are_emitted_in_order_lag_steps_late(lag)
     assert all(when - t <= 2 * chunk - 1 for t, when in emitted_when.items())
 
 
+@pytest.mark.parametrize("lag", [1, 3, 8])
+def test_the_loop_writes_at_most_two_records_a_step_and_none_early(lag):
+    """An exchange brings `lag` steps at once; the loop spreads writing them over the next steps
+    (`most=2`) instead of writing them all in one, and every step is still emitted, in order."""
+    steps, gather = 60, RecordingGather()
+    report, lines = reporter(lag, steps, gather)
+    emitted_when, per_step = {}, []
+    for t in range(1, steps + 1):
+        report.publish(pending(t))
+        before = len(lines.records)
+        report.flush(keep=lag, most=2)
+        per_step.append(len(lines.records) - before)
+        for record in lines.records[before:]:
+            emitted_when[record["step"]] = t
+    report.flush()
+    assert max(per_step) <= 2 and sum(per_step) >= steps - 2 * lag  # the rest at the final flush
+    assert [r["step"] for r in lines.records] == list(range(1, steps + 1))
+    assert all(when - t >= lag for t, when in emitted_when.items())
+    # A batch is drained at two a step: its last step is written within half a batch of the old bound.
+    assert all(when - t <= 2 * lag - 1 + (lag + 1) // 2 for t, when in emitted_when.items())
+
+
 def test_a_full_flush_sends_what_is_left_at_once():
     gather = RecordingGather()
     report, lines = reporter(8, 100, gather)
@@ -141,7 +163,9 @@ def test_short_steps_travel_more_at_a_time_and_the_slowest_process_sets_how_many
     report, lines = reporter(4, 120, gather, interval_s=0.25)
     for t in range(1, 121):
         report.publish(pending(t))
-        report.flush(keep=report.current_lag)
+        before = len(lines.records)
+        report.flush(keep=report.current_lag, most=2)  # as the training loop does
+        assert len(lines.records) - before <= 2
     report.flush()
     sizes = [len(b) for b in gather.batches]
     # The first exchange is read `lag` steps after it is sent, when the second is already on its way.

@@ -162,18 +162,24 @@ class Reporter:
         wanted = math.ceil(self.interval_s / slowest - 1e-9) if 0 < slowest < math.inf else self.lag
         self.current_lag = max(self.lag, min(MAX_LAG, wanted))
 
-    def flush(self, keep: int = 0) -> None:
+    def flush(self, keep: int = 0, most: int | None = None) -> None:
         """Emit the published steps, oldest first, until at most `keep` sent ones remain in flight
-        (`keep` = 0: every published step, its exchange started now if it was not yet).
+        (`keep` = 0: every published step, its exchange started now if it was not yet), and at
+        most `most` of them in this call (None: no limit).
 
         Published steps are sent `lag` at a time, so a step's values are read between `lag` and
-        `2 lag - 1` steps after it. Every process emits the same steps at the same point of the
-        loop (the counts decide, not which exchanges happen to have finished), so decisions taken
-        from the gathered values (an agreed stop, a re-form) fall on the same step everywhere."""
+        `2 lag - 1` steps after it. The training loop emits at most two per step: an exchange
+        brings `lag` steps at once (tens where steps are short), and writing them all in one step
+        made that step several times longer than the others. Every process emits the same steps
+        at the same point of the loop (the counts decide, not which exchanges happen to have
+        finished), so decisions taken from the gathered values (an agreed stop, a re-form) fall on
+        the same step everywhere."""
         if keep == 0 and self._unsent:
             self._send()
-        while len(self._inflight) > keep:
+        emitted = 0
+        while len(self._inflight) > keep and (most is None or emitted < most):
             self._emit(self._inflight.popleft())
+            emitted += 1
 
     def _emit(self, pending: dict[str, Any]) -> None:
         """Check and log step t's gathered values (waiting for their exchange)."""

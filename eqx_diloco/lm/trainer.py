@@ -258,7 +258,7 @@ class Trainer:
             values = self._step_values(state, t, metrics, traffic)
             if pending is not None:
                 report.publish(pending)
-                report.flush(keep=report.current_lag)
+                report.flush(keep=report.current_lag, most=2)
             pending = values
             if boundary:
                 self._sync_boundary(state, t, pending, final)
