@@ -303,3 +303,17 @@ def test_rare_programs_smoke(tmp_path):
     for key in ("compile_defaults_s", "compile_unoptimised_s", "run_defaults_ms", "run_unoptimised_ms"):
         assert finite(row[key]) and row[key] > 0
     assert row["compile_saved_s"] == row["compile_defaults_s"] - row["compile_unoptimised_s"]
+
+
+@pytest.mark.slow  # two processes join a jax.distributed run
+def test_psum_floor_smoke(tmp_path):
+    from benchmarks import psum_floor
+
+    assert psum_floor.main(["--calls", "3", "--floats", "1000", "--out-dir", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "psum_floor.json").read_text())
+    assert [r["setting"] for r in saved["rows"]] == ["pinned", "unpinned"] and saved["floats"] == 1000
+    for row in saved["rows"]:
+        assert row["calls"] == 3 and 0 < row["median_ms"] <= row["p90_ms"] <= row["max_ms"]
+    assert "| each pinned to a core of its own | 3 |" in (tmp_path / "psum_floor.md").read_text()
+    with pytest.raises(SystemExit):
+        psum_floor.main(["--calls", "0"])
