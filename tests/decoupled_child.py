@@ -2,7 +2,7 @@
 
 It reads its role from the flags the launcher adds (`--decoupled.role`, `--decoupled.island`,
 `--dist.process-id`, `--dist.coordinator-address`) and appends one JSON line per start to
-`$DECOUPLED_CHILD_DIR/starts.jsonl` (role, island, process, pid, coordinator). Then:
+`$DECOUPLED_CHILD_DIR/starts.jsonl` (role, island, process, pid, coordinator, the CPUs it may use). Then:
 
 - the syncer sleeps until it is stopped (SIGTERM);
 - an island process listed in `$DECOUPLED_CHILD_FAIL` as `K:P` (island K, process P) exits 1 after a
@@ -24,7 +24,8 @@ def flag(name: str) -> str | None:
 folder = Path(os.environ["DECOUPLED_CHILD_DIR"])
 role, island, process = flag("--decoupled.role"), flag("--decoupled.island"), flag("--dist.process-id") or "0"
 record = {"role": role, "island": island, "process": int(process), "pid": os.getpid(),
-          "coordinator": flag("--dist.coordinator-address"), "processes": flag("--dist.num-processes")}
+          "coordinator": flag("--dist.coordinator-address"), "processes": flag("--dist.num-processes"),
+          "cpus": sorted(os.sched_getaffinity(0))}
 with (folder / "starts.jsonl").open("a") as log:
     log.write(json.dumps(record) + "\n")
 if role == "syncer":

@@ -1,6 +1,7 @@
 """Decoupled islands: the syncer's merge against the equations, its windows (quorum, grace, staleness),
 equivalence with synchronous DiLoCo, bad calls, restarts and rejoins, and the flags."""
 
+import dataclasses
 import pathlib
 import threading
 import time
@@ -621,6 +622,13 @@ def test_one_dead_process_takes_its_island_down_and_the_island_restarts_whole(tm
     assert not {s["pid"] for s in island["1"][:2]} & finished  # the first leader was stopped with its failed process
     assert finished == {s["pid"] for s in island["0"] + island["1"][2:]}  # every other island process finished
     assert [s["role"] for s in starts].count("syncer") == 1
+    # Each island process keeps to its own share of the CPUs (one CPU each where they outnumber the CPUs),
+    # a restart to the same one; the syncer may use every CPU.
+    from eqx_diloco.lm._processes import cpu_shares
+
+    shares = cpu_shares(4)
+    assert all(s["cpus"] == shares[2 * int(s["island"]) + s["process"]] for s in island["0"] + island["1"])
+    assert next(s["cpus"] for s in starts if s["role"] == "syncer") == sorted(os.sched_getaffinity(0))
 
 
 @pytest.mark.slow  # two decoupled runs through the launcher (about 40 s)
@@ -820,3 +828,48 @@ def _train_both(params, static, shardings, batch_sharding, tokens, config, model
         losses[sharded] = out
         if sharded:
             assert p.blocks.attn.q.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+
+
+def test_without_waiting_an_island_pushes_a_fragment_again_only_once_its_merge_is_back(service, make_config,
+                                                                                       monkeypatch):
+    """`--decoupled.no-wait` with merges slower than H steps: the island never waits for one before its last
+    step; a push due while the previous one is open goes out at the first step after that merge came back,
+    carrying every step made since, so no token is lost and pushes are fewer than steps / H. The island's
+    step program compiles once (its first and second steps see arguments laid out alike)."""
+    import json
+
+    from eqx_diloco.decoupled import make_syncer
+    from eqx_diloco.lm import island as island_module
+    from eqx_diloco.lm.island import initial_model, run_island
+
+    steps_made = []
+    make_step = island_module._make_step
+    monkeypatch.setattr(island_module, "_make_step", lambda *a, **k: steps_made.append(make_step(*a, **k)) or steps_made[-1])
+
+    config = make_config(train={"steps": 24})
+    syncer = make_syncer(initial_model(config), layers=lambda m: m.blocks, num_islands=1, grace_s=0.0,
+                         outer_optimizer=optax.sgd(1.0))
+    contribute = syncer.contribute
+
+    def slow_contribute(*args, **kwargs):  # every merge comes back well after the island's next H = 2 steps
+        time.sleep(0.4)
+        return contribute(*args, **kwargs)
+
+    syncer.contribute = slow_contribute
+    s = SyncerService(syncer, address="127.0.0.1:0", token=TOKEN).start()
+    config = dataclasses.replace(config, decoupled=DecoupledConfig(
+        role="island", island=0, syncer=f"127.0.0.1:{s.port}", token=TOKEN, wait=False))
+    config = dataclasses.replace(config, diloco=dataclasses.replace(config.diloco, num_replicas=1))
+    try:
+        with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix float and int32 counts
+            assert run_island(config) == 0
+    finally:
+        s.stop(0)
+    lines = [json.loads(line) for line in (config.run_dir / "island-0" / "metrics.jsonl").read_text().splitlines()]
+    steps, syncs = [r for r in lines if "loss" in r], [r for r in lines if "sync" in r]
+    tokens_per_step = config.train.batch_size * config.train.seq_len
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    assert sum(r["tokens_sent"] for r in syncs) == 24 * tokens_per_step == syncer.tokens_merged
+    assert len(syncs) < 24 // 2 and max(r["tokens_sent"] for r in syncs) > 2 * tokens_per_step
+    assert all(r["wait_s"] < 0.4 for r in syncs[:-1])  # pushed and went on: only the last push waits
+    assert len(steps_made) == 1 and steps_made[0]._cache_size() == 1

@@ -287,5 +287,7 @@ def test_cpu_shares_are_contiguous_and_as_equal_as_possible(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11}, raising=False)
     assert _processes.cpu_shares(3) == [[0, 1, 2, 3], [4, 5, 6, 8], [9, 10, 11]]
     assert _processes.cpu_shares(11) == [[c] for c in [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11]]
-    assert _processes.cpu_shares(12) is None  # fewer CPUs than processes: they share all of them
+    # Fewer CPUs than processes: one CPU each, in turn (several processes on one core, one thread pool each).
+    assert _processes.cpu_shares(12) == [[c] for c in [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 0]]
+    assert _processes.cpu_shares(24)[10:13] == [[11], [0], [1]]
     assert _processes.cpu_shares(1) is None

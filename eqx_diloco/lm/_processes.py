@@ -161,18 +161,21 @@ def _die_with_launcher() -> Callable[[], None] | None:
 
 def cpu_shares(num_processes: int) -> list[list[int]] | None:
     """This machine's CPUs (those the launcher may use) cut into `num_processes` contiguous shares,
-    as equal as possible; None where they cannot be split (fewer CPUs than processes, one process,
-    or no CPU affinity on this platform).
+    as equal as possible; with fewer CPUs than processes, one CPU each, taken in turn (process i on
+    CPU i mod C). None for one process, or where this platform has no CPU affinity.
 
     Co-located processes that each size their thread pools to the whole machine oversubscribe it:
     XLA's CPU client starts a pool as large as the CPUs a process may use, so N processes on C cores
     run N x C compute threads. With a share each, a process's pools match its share and its threads
-    stay on its cores."""
+    stay on its cores. Where processes outnumber the cores this matters most: a step's work is split
+    over the pool's threads and waits for the last of them, and with every core oversubscribed one
+    of them is often descheduled, which stretched a step of decoupled islands sharing two cores to
+    ten times its median and more (`benchmarks/decoupled.py`)."""
     if num_processes < 2 or not hasattr(os, "sched_getaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < num_processes:
-        return None
+        return [[cpus[i % len(cpus)]] for i in range(num_processes)]
     base, extra = divmod(len(cpus), num_processes)
     bounds = [i * base + min(i, extra) for i in range(num_processes + 1)]
     return [cpus[bounds[i]:bounds[i + 1]] for i in range(num_processes)]
@@ -303,7 +306,7 @@ def spawn(
     preexec = _die_with_launcher()
     shares = cpu_shares(num_processes) if split_cpus else None
     # Pinned processes compile on all of these CPUs before their first step (see _compile_cpus).
-    widen = {COMPILE_CPUS_ENV: ",".join(str(c) for share in shares for c in share)} if shares else {}
+    widen = {COMPILE_CPUS_ENV: ",".join(str(c) for c in sorted({c for share in shares for c in share}))} if shares else {}
     procs = []
     for i in range(num_processes):
         variables = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),

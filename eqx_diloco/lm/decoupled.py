@@ -12,7 +12,9 @@ environment (never on a command line, which other users of the machine can read)
 has finished (or failed with no restarts left), the syncer is stopped: it evaluates theta_g once more,
 checkpoints and writes its summary. With `--processes-per-island S` each island is S processes, one JAX
 world of their own (a coordinator of its own), its `--mesh.*` devices split over them; one process that
-dies takes its island down and the island is restarted as a whole.
+dies takes its island down and the island is restarted as a whole. Each island process runs on its own
+share of this machine's CPUs (`--cpus split`, one CPU each where they outnumber the CPUs), so islands
+sharing cores do not stall each other's steps; the syncer may use every CPU.
 
 The same roles by hand, on several hosts (see the README):
 
@@ -30,7 +32,17 @@ import time
 from pathlib import Path
 
 from .._rpc import TOKEN_ENV
-from ._processes import LauncherSignals, _die_with_launcher, flag_value, free_port, signal_group, stop_all, tail
+from ._processes import (
+    LauncherSignals,
+    _die_with_launcher,
+    _pinned,
+    cpu_shares,
+    flag_value,
+    free_port,
+    signal_group,
+    stop_all,
+    tail,
+)
 from .island import RUN_T0_ENV
 
 
@@ -49,9 +61,9 @@ class _Role:
     their next collective) and the island counts as exited with the first code seen."""
 
     def __init__(self, name: str, flags: list[str], log: Path, env: dict[str, str], restarts: int,
-                 processes: int = 1):
+                 processes: int = 1, cpus: list[list[int]] | None = None):
         self.name, self.flags, self.log, self.env, self.restarts_left = name, flags, log, env, restarts
-        self.processes = processes
+        self.processes, self.cpus = processes, cpus  # cpus: each process's CPUs (None: every CPU)
         self.procs: list[subprocess.Popen] = []
         self.restarted = 0
         self.finished = False
@@ -77,7 +89,7 @@ class _Role:
                     [sys.executable, "-m", module, *flags], env=self.env,
                     stdout=None if self.name == "syncer" else out,
                     stderr=out if self.name == "syncer" else subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_die_with_launcher()))
+                    start_new_session=True, preexec_fn=_pinned(_die_with_launcher(), self.cpus[p] if self.cpus else None)))
 
     def poll(self, grace_s: float) -> int | None:
         """None while the role runs; else its exit code (0: every process finished), its processes gone."""
@@ -92,9 +104,12 @@ class _Role:
 
 
 def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir: Path, grace_s: float,
-                     max_restarts: int, rejoin_after_s: float, processes_per_island: int = 1) -> int:
+                     max_restarts: int, rejoin_after_s: float, processes_per_island: int = 1,
+                     split_cpus: bool = True) -> int:
     """Start the syncer and `num_islands` islands of `processes_per_island` processes each, restart what
-    dies, stop the syncer when the islands are done. Returns 0 when every island finished its steps."""
+    dies, stop the syncer when the islands are done. Returns 0 when every island finished its steps.
+    With `split_cpus` every island process keeps to its own share of the CPUs (`cpu_shares`), a
+    restarted one to the same share."""
     log_dir.mkdir(parents=True, exist_ok=True)
     address = flag_value(flags, "--decoupled.syncer")
     if address is None:
@@ -106,8 +121,10 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
     env.setdefault(RUN_T0_ENV, repr(time.time()))  # the islands' and the syncer's common clock
     env.setdefault(TOKEN_ENV, secrets.token_hex(16))
     syncer = _Role("syncer", [*flags, "--decoupled.role", "syncer"], log_dir / "syncer.log", env, max_restarts)
+    shares = cpu_shares(num_islands * processes_per_island) if split_cpus else None
     islands = [_Role(f"island {k}", [*flags, "--decoupled.role", "island", "--decoupled.island", str(k)],
-                     log_dir / f"island-{k}.log", env, max_restarts, processes_per_island)
+                     log_dir / f"island-{k}.log", env, max_restarts, processes_per_island,
+                     shares[k * processes_per_island:(k + 1) * processes_per_island] if shares else None)
                for k in range(num_islands)]
     failed: list[str] = []
     each = f" of {processes_per_island} processes" if processes_per_island > 1 else ""

@@ -95,6 +95,12 @@ def _make_step(static, optimizer: optax.GradientTransformation, dropout: float):
     return step
 
 
+def _replicated_scalar(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Scalar `x`, the same on every process of the island, as one array replicated over `sharding`."""
+    value = np.asarray(x)
+    return jax.make_array_from_callback((), sharding, lambda _: value)
+
+
 def _write_progress(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"step": step}))
@@ -141,9 +147,13 @@ def run_island(config: Config) -> int:
         params = group.join(params)
         write({"step": start, "time": time.time() - t0, "joined": True, "versions": group.versions,
                "devices": batch_sharding.mesh.size, "processes": jax.process_count()})
-        # The schedule goes on from `start`; every leaf its own buffer (the step donates them).
+        # The schedule goes on from `start`; every leaf its own buffer (the step donates them). The step
+        # counts are placed as the step returns them (replicated over the island's devices): left on one
+        # device, the second step's signature differed from the first's and it compiled the step again.
         opt_state = optax.tree_utils.tree_set(optimizer.init(params), count=jax.numpy.asarray(start, jax.numpy.int32))
-        opt_state = jax.tree.map(jax.numpy.copy, opt_state)
+        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+        opt_state = jax.tree.map(lambda x: jax.numpy.copy(x) if x.ndim else _replicated_scalar(x, replicated),
+                                 opt_state)
         # Streaming DiLoCo's schedule (`eqx_diloco.schedule`): fragment f first syncs after (f + 1) H / P steps.
         since = [period - ((f + 1) * period) // num_fragments for f in range(num_fragments)]
         steps_done = [0] * num_fragments
@@ -169,13 +179,17 @@ def run_island(config: Config) -> int:
                 params = group.collect(params)  # merges that came back since the last step
             for f in range(num_fragments):
                 if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
+                    if not dc.wait and not last and group.in_flight(f):
+                        # Its previous merge has not come back: push once it has (collected at the top of
+                        # a later step), with the steps made meanwhile, instead of waiting for it here.
+                        continue
                     waited = time.perf_counter()
                     base_version = group.versions[f]
                     if dc.wait:
                         params = group.sync(params, f, tokens=steps_done[f] * tokens_per_step,
                                             steps_per_s=1.0 / seconds_per_step)
                     else:
-                        if group.in_flight(f):  # its previous merge must land before the next push
+                        if group.in_flight(f):  # the last step: its previous merge must land before the final push
                             params = group.collect(params, wait=True)
                         base_version = group.versions[f]
                         group.push(params, f, tokens=steps_done[f] * tokens_per_step,

@@ -237,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="after forwarding SIGTERM/SIGHUP/SIGINT, seconds to wait before killing the processes")
     parser.add_argument("--cpus", choices=["split", "shared"], default="split",
                         help="split: each process runs on its own contiguous share of this machine's CPUs, so "
-                             "their compute thread pools do not oversubscribe the cores (where there are at least "
-                             "as many CPUs as processes; before its first step and after its last, where it "
-                             "compiles, a process uses them all); shared: every process may use every CPU")
+                             "their compute thread pools do not oversubscribe the cores (with more processes than "
+                             "CPUs, one CPU each, in turn; before its first step and after its last, where it "
+                             "compiles, a process of a synchronous run uses them all; decoupled islands keep to "
+                             "their own, the syncer uses every CPU); shared: every process may use every CPU")
     elastic = parser.add_argument_group(
         "elastic islands (with --elastic.enabled among the trainer flags: one process per island; a lost island "
         "re-forms the run with the others from their newest sync boundary)")
@@ -354,7 +355,7 @@ def _decoupled(args: argparse.Namespace, flags: list[str]) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="eqx_diloco_decoupled_"))
     code = launch_decoupled(args.num_processes, flags, module=args.module, log_dir=log_dir, grace_s=args.grace_s,
                             max_restarts=args.max_restarts, rejoin_after_s=args.rejoin_after_s,
-                            processes_per_island=args.processes_per_island)
+                            processes_per_island=args.processes_per_island, split_cpus=args.cpus == "split")
     if args.log_dir is None and code == 0:
         shutil.rmtree(log_dir, ignore_errors=True)
     elif code != 0:
