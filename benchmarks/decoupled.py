@@ -304,13 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
                         help="mean seconds between kills in the failures and long_steps scenarios")
     parser.add_argument("--max-kills", type=int, default=MAX_KILLS, help="kills per run in those scenarios")
-    parser.add_argument("--scenarios", default="equal,slow,paced,failures,long_steps",
+    parser.add_argument("--scenarios", default="equal,equal_no_wait,slow,paced,failures,long_steps",
                         help="which to run (comma-separated; equal implies slow and paced); the others are kept from "
                              "--out-dir's decoupled.json")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
-    if not scenarios <= {"equal", "slow", "paced", "failures", "long_steps"}:
-        parser.error(f"--scenarios takes equal, slow, paced, failures, long_steps (got {args.scenarios})")
+    if not scenarios <= {"equal", "equal_no_wait", "slow", "paced", "failures", "long_steps"}:
+        parser.error(f"--scenarios takes equal, equal_no_wait, slow, paced, failures, long_steps (got {args.scenarios})")
     if "equal" in scenarios:
         scenarios |= {"slow", "paced"}  # their target loss and step times come from the equal runs
     mode = args.mode or "quick"
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if result.get("mode") != mode:
         result = {}
     for scenario in scenarios:  # measured again below
-        for key in {"equal": ["equal"], "slow": ["slow"], "paced": ["paced"], "failures": ["failure_free", "failures"],
+        for key in {"equal": ["equal"], "equal_no_wait": ["equal_no_wait"], "slow": ["slow"], "paced": ["paced"],
+                    "failures": ["failure_free", "failures"],
                     "long_steps": ["long_steps_free", "long_steps"]}[scenario]:
             result.pop(key, None)
     if "equal" in scenarios:
@@ -359,13 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after each scenario: a run that fails later keeps what was measured
         out_dir.mkdir(parents=True, exist_ok=True)
         slim = json.loads(json.dumps(common.jsonable(result)))
-        for scenario in ("equal", "slow", "paced", "failure_free", "failures", "long_steps_free", "long_steps"):
+        for scenario in ("equal", "equal_no_wait", "slow", "paced", "failure_free", "failures", "long_steps_free",
+                         "long_steps"):
             for runs in slim.get(scenario, {}).values():
                 for r in runs:
                     r.pop("step_times", None)
         common.write_json(out_dir / "decoupled.json", slim)
         common.write_text(out_dir / "decoupled.md", report(slim))
 
+    if "equal_no_wait" in scenarios:  # the same seeds with --decoupled.no-wait, against the equal sync runs
+        result["equal_no_wait"] = {"decoupled-no-wait": [run("decoupled-no-wait", s) for s in range(pinned["seeds"])]}
+        result["revisions"]["equal_no_wait"] = revision
     save()
     result["target_eval_loss"] = target = TARGET_FACTOR * sync_final
     for scenario in ("slow", "paced"):
@@ -463,6 +468,14 @@ def report(result: dict) -> str:
                             {r["seed"]: r["final_eval_loss"] for r in equal["sync"]})
     lines += [f"Decoupled vs synchronous final eval loss, paired by seed: {common.fmt_pm(gap, '+.2f', '%')} "
               f"(target: within 2%). Median island step: {result['median_step_s'] * 1000:.1f} ms.", ""]
+    if "equal_no_wait" in result:
+        runs = result["equal_no_wait"]["decoupled-no-wait"]
+        gap = common.paired_gap({r["seed"]: r["final_eval_loss"] for r in runs},
+                                {r["seed"]: r["final_eval_loss"] for r in equal["sync"]})
+        lines += [f"With `--decoupled.no-wait` ({len(runs)} seeds): final eval loss "
+                  f"{common.fmt_pm(ms(r['final_eval_loss'] for r in runs), '.4f')}, wall time "
+                  f"{common.fmt_pm(ms(r['wall_s'] for r in runs), '.1f', ' s')}; against the synchronous runs above, "
+                  f"paired by seed: {common.fmt_pm(gap, '+.2f', '%')}.", ""]
     for scenario in ("slow", "paced"):
         if scenario not in result:
             continue

@@ -159,3 +159,18 @@ def test_decoupled_kill_gaps_take_the_survivors_and_the_same_stretch_of_the_fail
     assert gaps[:2] == pytest.approx([0.9, 0.1]) and gaps[2] is None
     assert calm_gaps[:2] == pytest.approx([0.5, 0.1]) and calm_gaps[2] is None  # 11.05 .. 21.05 s: the calm run's 0.5 s
     assert decoupled.kill_gaps(run)[1] is None
+
+
+def test_decoupled_report_compares_no_wait_islands_with_the_same_seeds_synchronous_runs():
+    from benchmarks import decoupled
+
+    def runs(losses):
+        return [{"seed": s, "final_eval_loss": loss, "wall_s": 30.0} for s, loss in enumerate(losses)]
+
+    result = {"mode": "quick", "islands": 4, "steps": 300, "flags": [], "median_step_s": 0.05,
+              "machine": {"cpu_count": 2, "platform": "p", "python": "3", "jax": "0"}, "revisions": {"equal": "r"},
+              "equal": {"decoupled": runs([1.0, 2.0]), "sync": runs([1.0, 2.0])},
+              "equal_no_wait": {"decoupled-no-wait": runs([1.01, 2.02])}}
+    text = decoupled.report(result)
+    assert "With `--decoupled.no-wait` (2 seeds): final eval loss 1.5150 +- 0.7142" in text
+    assert "paired by seed: +1.00% +- 0.00%." in text
