@@ -6,13 +6,13 @@ wraps it) and thread-safe: every island's call runs in its own server thread.
 it; it closes, and is merged, once `min_quorum` of the *present* islands are in it, or once the grace
 window has passed since it opened. An island that contributed waits for its window to close and gets
 the merged fragment back, so no island waits longer than the grace window (a late one, below, at most
-`grace_max_s`). An island is present once it first joined; it stops counting towards the quorum when
-its connection closes (`disconnected`: its process ended or its link dropped; the others stop waiting
-at once), or when a window closes by grace without it (it is dead but its connection lingers, or it is
-slow), and counts again as soon as it contributes. An island that joins again (it restarted, or fell
-too far behind) is a round or more behind the others, so it counts only from its first contribution:
-no window waits for its restart, and that contribution, out of phase, is a late island's (below). So a
-lost island whose connection closes costs the others no wait, and one that hangs costs one grace
+`grace_max_s`). An island is present
+once it first joined; it stops counting towards the quorum when its connection closes (`disconnected`:
+its process ended or its link dropped; the others stop waiting at once), or when a window closes by
+grace without it (it is dead but its connection lingers, or it is slow), and counts again as soon as
+it contributes. An island that joins again (it restarted, or fell too far behind) is a round or more
+behind the others, so it counts only from its first contribution: no window waits for its restart.
+So a lost island whose connection closes costs the others no wait, and one that hangs costs one grace
 window, once.
 
 **A late island rejoins the others' phase.** The contribution of an island that a window closed by
@@ -179,7 +179,7 @@ class Syncer:
         self.steps_per_s: dict[int, float] = {}  # each island's reported speed
         self.merges: list[MergeRecord] = []
         self._windows: dict[int, _Window] = {}
-        self._late: dict[int, set[int]] = {}  # per fragment: islands out of its phase (left out by grace, or rejoined)
+        self._late: dict[int, set[int]] = {}  # per fragment: islands its last window closed by grace without
         self._lags: deque[float] = deque(maxlen=64)
         self._lock = threading.Lock()
         self._update = jax.jit(lambda theta, state, gradient: self._apply(outer_optimizer, theta, state, gradient))
@@ -227,7 +227,6 @@ class Syncer:
             self.joined.add(island)
             if island in self._joined_once:
                 self.present.discard(island)
-                self._late.update({f: self._late.get(f, set()) | {island} for f in range(len(self.theta))})
             else:
                 self.present.add(island)
             self._joined_once.add(island)
@@ -362,7 +361,7 @@ class Syncer:
                 if full:
                     self._lags.extend(t.arrived - window.opened for t in window.tickets[window.first + 1:])
                 else:
-                    self._late[fragment] = self._late.get(fragment, set()) | (self.present - islands)
+                    self._late[fragment] = self.present - islands
                     self.present &= islands  # the missing islands stop holding windows open
                 del self._windows[fragment]
                 records.append(self._merge(fragment, window, by_grace=not full, now=now))

@@ -147,31 +147,6 @@ def test_an_island_a_grace_window_left_out_is_merged_with_the_others_next_report
     assert list(syncer._lags) == pytest.approx([0.05, 0.01, 0.02])  # from the first fresh report, not island 2
 
 
-def test_a_restarted_islands_first_report_waits_for_the_others_next_one():
-    """Island 1 restarts mid-run and reports out of the others' phase. With a grace window shorter than a
-    round it would be merged alone and make the others' next window wait a grace window for it; it waits
-    for their next report instead (at most `grace_max_s`), and the rounds after that are in phase."""
-    syncer, clock = fake_syncer(3, grace_s=0.2, grace_max_s=5.0)
-    one = np.ones(4, np.float32)
-    for k in range(3):
-        syncer.contribute(k, 0, 0, 10, one)
-    syncer.join(1)  # killed and restarted
-    clock.now = 0.5
-    first = syncer.contribute(1, 0, 1, 10, one)  # between the others' rounds
-    clock.now = 0.9
-    syncer.poll()
-    assert not first.done.is_set() and syncer.versions == [1]
-    clock.now = 1.0
-    syncer.contribute(0, 0, 1, 10, one)
-    clock.now = 1.05
-    syncer.contribute(2, 0, 1, 10, one)
-    assert first.done.is_set() and syncer.merges[-1].islands == (1, 0, 2) and not syncer.merges[-1].by_grace
-    for k in range(3):
-        clock.now += 0.01
-        syncer.contribute(k, 0, 2, 10, one)
-    assert syncer.merges[-1].islands == (0, 1, 2) and not syncer.merges[-1].by_grace
-
-
 def test_a_late_island_waits_for_the_others_at_most_the_longest_grace_window():
     syncer, clock = fake_syncer(2, grace_s=0.2, grace_max_s=5.0)
     one = np.ones(4, np.float32)
