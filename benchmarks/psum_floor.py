@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from benchmarks import _common as common
+from eqx_diloco.lm._processes import free_port
 
 FLOATS = 131_393  # the sync payload of the 2 x 64 model `benchmarks/vs_torchft.py` trains
 SETTINGS = ("pinned", "unpinned")
@@ -56,12 +56,6 @@ def worker(process_id: int, port: int, pin: bool, floats: int, calls: int) -> No
     if process_id == 0:
         print(json.dumps({"seconds": took}), flush=True)
     jax.distributed.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(setting: str, floats: int, calls: int) -> dict:

@@ -89,30 +89,29 @@ def eqx_tokens_per_s(metrics: Path) -> float:
     return (STEPS - SKIP) * TOKENS_PER_STEP / (times[STEPS] - times[SKIP])
 
 
+def step_spread(took: list[float], synced: list[bool]) -> dict:
+    """Step times (seconds) and whether each step synced: the median, and the slowest step that synced
+    and the slowest that did not, each as a multiple of the median."""
+    median = float(np.median(took))
+    slowest = {flag: max((t for t, s in zip(took, synced) if s == flag), default=0.0) for flag in (True, False)}
+    return {"median_step_s": median, "slowest_sync_step_x": slowest[True] / median,
+            "slowest_other_step_x": slowest[False] / median}
+
+
 def eqx_step_spread(metrics: Path) -> dict:
-    """eqx_diloco's step times after step 1 (from the metrics' timestamps, log-every 1): the median, and
-    the slowest step that synced and the slowest that did not, each as a multiple of the median."""
+    """`step_spread` of eqx_diloco's steps after step 1, from the metrics' timestamps (log-every 1)."""
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "time" in r and "loss" in r]
     by_step = {r["step"]: r for r in records}
     steps = [t for t in range(2, STEPS + 1) if t in by_step and t - 1 in by_step]
-    took = {t: by_step[t]["time"] - by_step[t - 1]["time"] for t in steps}
-    median = float(np.median(list(took.values())))
-    synced = [took[t] for t in steps if by_step[t].get("synced_fragment") is not None]
-    plain = [took[t] for t in steps if by_step[t].get("synced_fragment") is None]
-    return {"median_step_s": median, "slowest_sync_step_x": max(synced, default=0.0) / median,
-            "slowest_other_step_x": max(plain, default=0.0) / median}
+    return step_spread([by_step[t]["time"] - by_step[t - 1]["time"] for t in steps],
+                       [by_step[t].get("synced_fragment") is not None for t in steps])
 
 
 def torchft_step_spread(metrics: Path) -> dict:
-    """torchft's step times after step 1 as `eqx_step_spread` gives eqx_diloco's: replica 0's own
-    `step_time_s` per step (the step call, its sync included), the median, and the slowest step that
-    synced and the slowest that did not, as multiples of the median."""
+    """`step_spread` of torchft's steps after step 1: replica 0's own `step_time_s` per step (the step
+    call, its sync included)."""
     rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] > 1]
-    median = float(np.median([r["step_time_s"] for r in rows]))
-    synced = [r["step_time_s"] for r in rows if r["sync"]]
-    plain = [r["step_time_s"] for r in rows if not r["sync"]]
-    return {"median_step_s": median, "slowest_sync_step_x": max(synced, default=0.0) / median,
-            "slowest_other_step_x": max(plain, default=0.0) / median}
+    return step_spread([r["step_time_s"] for r in rows], [bool(r["sync"]) for r in rows])
 
 
 def timed(cmd: list[str], env: dict, log: Path, first_line: Path | None = None) -> tuple[float, float | None]:

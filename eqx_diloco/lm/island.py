@@ -179,17 +179,16 @@ def run_island(config: Config) -> int:
                 params = group.collect(params)  # merges that came back since the last step
             for f in range(num_fragments):
                 if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
-                    if not dc.wait and not last and group.in_flight(f):
-                        # Its previous merge has not come back: push once it has (collected at the top of
-                        # a later step), with the steps made meanwhile, instead of waiting for it here.
-                        continue
+                    open_push = not dc.wait and group.in_flight(f)  # its previous merge has not come back
+                    if open_push and not last:
+                        continue  # pushed once it has (collected at the top of a later step), with the steps since
                     waited = time.perf_counter()
                     base_version = group.versions[f]
                     if dc.wait:
                         params = group.sync(params, f, tokens=steps_done[f] * tokens_per_step,
                                             steps_per_s=1.0 / seconds_per_step)
                     else:
-                        if group.in_flight(f):  # the last step: its previous merge must land before the final push
+                        if open_push:  # the last step: its previous merge must land before the final push
                             params = group.collect(params, wait=True)
                         base_version = group.versions[f]
                         group.push(params, f, tokens=steps_done[f] * tokens_per_step,
