@@ -83,6 +83,7 @@ class Island:
         self.base: list[np.ndarray] = []
         self.residuals = [np.zeros(n, np.float32) for n in self.sizes]
         self.fastest_steps_per_s: float | None = None
+        self.tokens_merged = 0.0  # theta_g's tokens as of the newest merge that came back
         self.lost_rounds = 0  # pushes whose tokens never reached theta_g (refused, or the syncer lost them)
         self._encode = jax.jit(self._encode_impl, static_argnums=1)
         self._sender = ThreadPoolExecutor(max_workers=num_fragments, thread_name_prefix="island-push")
@@ -168,6 +169,7 @@ class Island:
             moved = self._vector(model, fragment) - sent
             self.versions[fragment], self.base[fragment] = int(reply["version"]), theta.copy()
             self.fastest_steps_per_s = reply.get("fastest_steps_per_s")
+            self.tokens_merged = max(self.tokens_merged, float(reply.get("tokens_merged") or 0.0))
             model = self._install(model, fragment, theta + moved if moved.any() else theta)
         return model
 

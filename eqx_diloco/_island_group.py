@@ -52,6 +52,7 @@ class IslandGroup:
         self.versions: list[int] = [0] * num_fragments
         self.lost_rounds = 0
         self.fastest_steps_per_s: float | None = None
+        self.tokens_merged = 0.0
 
     # -- moving values between the leader and the other processes --------------------------------
 
@@ -72,11 +73,13 @@ class IslandGroup:
         """The leader's host parameters (and its view of the syncer) on every process, on the island's layout."""
         if self.num_processes > 1:
             meta = np.asarray([self.lost_rounds, *self.versions], np.int64)
-            fastest = np.float64(-1.0 if self.fastest_steps_per_s is None else self.fastest_steps_per_s)
+            rates = np.asarray([-1.0 if self.fastest_steps_per_s is None else self.fastest_steps_per_s,
+                                self.tokens_merged], np.float64)
             host = jax.tree.map(np.asarray, host)
-            host, meta, fastest = multihost_utils.broadcast_one_to_all((host, meta, fastest), is_source=self.leader)
+            host, meta, rates = multihost_utils.broadcast_one_to_all((host, meta, rates), is_source=self.leader)
             self.lost_rounds, self.versions = int(meta[0]), [int(v) for v in meta[1:]]
-            self.fastest_steps_per_s = None if fastest < 0 else float(fastest)
+            self.fastest_steps_per_s = None if rates[0] < 0 else float(rates[0])
+            self.tokens_merged = float(rates[1])
             # Every process holds the whole value: each keeps its own shards of it.
             return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
                                 host, self.shardings)
@@ -86,6 +89,7 @@ class IslandGroup:
         if self.island is not None:
             self.versions = list(self.island.versions)
             self.lost_rounds, self.fastest_steps_per_s = self.island.lost_rounds, self.island.fastest_steps_per_s
+            self.tokens_merged = self.island.tokens_merged
 
     # -- the Island's calls --------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ Methods of the service `eqx_diloco.Syncer`:
 
 - `Join {island}` -> `{versions, theta}`: a (re)starting island gets every fragment's theta_g.
 - `Push {island, fragment, base_version, tokens, format, data, scales, steps_per_s}` ->
-  `{version, theta, fastest_steps_per_s}`: one (quantized) outer gradient; the reply comes when the
+  `{version, theta, tokens_merged, fastest_steps_per_s}`: one (quantized) outer gradient; the reply comes when the
   window it joined has merged (at most the grace window later).
 - `Leave {island}` -> `{}`: an island that finished.
 - `Attend {island}` -> a stream that never yields: a joined island's client keeps it open while the
@@ -211,7 +211,7 @@ class SyncerService:
         rate = float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
         ticket = self.syncer.contribute(island, fragment, m["base_version"], m["tokens"], delta, steps_per_s=rate)
         version, theta = self.syncer.wait(ticket)
-        return {"version": version, "theta": theta,
+        return {"version": version, "theta": theta, "tokens_merged": self.syncer.tokens_merged,
                 "fastest_steps_per_s": max(self.syncer.steps_per_s.values(), default=None)}
 
 

@@ -6,14 +6,15 @@ wraps it) and thread-safe: every island's call runs in its own server thread.
 it; it closes, and is merged, once `min_quorum` of the *present* islands are in it, or once the grace
 window has passed since it opened. An island that contributed waits for its window to close and gets
 the merged fragment back, so no island waits longer than the grace window (a late one, below, at most
-`grace_max_s`). An island is present
-once it first joined; it stops counting towards the quorum when its connection closes (`disconnected`:
-its process ended or its link dropped; the others stop waiting at once), or when a window closes by
-grace without it (it is dead but its connection lingers, or it is slow), and counts again as soon as
-it contributes. An island that joins again (it restarted, or fell too far behind) is a round or more
-behind the others, so it counts only from its first contribution: no window waits for its restart.
-So a lost island whose connection closes costs the others no wait, and one that hangs costs one grace
-window, once.
+`grace_max_s`). Every island is present from the start, joined or not: the first windows wait for
+islands still starting (at most `grace_max_s`, the grace window until a window filled its quorum), so
+the first rounds merge together. An island stops counting towards the quorum when its connection
+closes (`disconnected`: its process ended or its link dropped; the others stop waiting at once), or
+when a window closes by grace without it (it is dead but its connection lingers, or it is slow), and
+counts again as soon as it contributes. An island that joins again (it restarted, or fell behind) is
+a round or more behind the others, so it counts only from its first contribution: no window waits
+for its restart. So a lost island whose connection closes costs the others no wait, and one that
+hangs costs one grace window, once.
 
 **A late island rejoins the others' phase.** The contribution of an island that a window closed by
 grace without opens a *patient* window: it waits for the others' next report (their quorum and grace
@@ -171,7 +172,7 @@ class Syncer:
         self.on_merge, self.clock = on_merge, clock
         self.started = clock()
         self.joined: set[int] = set()  # islands that may contribute (joined, not dropped or left)
-        self.present: set[int] = set()  # joined islands the windows wait for (not missing the last one)
+        self.present: set[int] = set(range(num_islands))  # the islands windows wait for (all, at the start)
         self._joined_once: set[int] = set()  # islands that joined before: a later join is a restart
         self._connections: dict[int, int] = {}  # open connections per island (`connected`)
         self.tokens_merged = 0.0

@@ -39,7 +39,7 @@ class DecoupledConfig:
     max_staleness: int = 4
     """a contribution made from a theta_g more than this many versions behind is refused (its tokens are lost); fresher ones count 1 / (1 + staleness) of their tokens."""
     wait: bool = True
-    """an island waits for each merge (at most the grace window) before its next step, as a synchronous sync does; `--decoupled.no-wait` pushes in the background and keeps training, and folds the merged fragment in when it comes back, keeping the steps it made meanwhile (they reach theta_g with its next push); a push due while the fragment's previous one is still open waits, with the island training on, until that merge is back."""
+    """an island waits for each merge (at most the grace window) before its next step, as a synchronous sync does; `--decoupled.no-wait` pushes in the background and keeps training, and folds the merged fragment in when it comes back, keeping the steps it made meanwhile (they reach theta_g with its next push); a push due while the fragment's previous one is still open waits, with the island training on, until that merge is back. It waits only for its first merge after it joins (islands that started apart go on in phase), and the run ends on theta_g's tokens (--train.steps of every island's, so a faster island makes more steps and a slower fewer)."""
     adaptive_h: bool = False
     """set each island's H from its measured speed (Dynamic Local Updates): the fastest island keeps --diloco.sync-period, a twice slower one syncs every H / 2 steps, so they report together."""
     retry_s: float = 120.0

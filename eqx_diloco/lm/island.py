@@ -13,6 +13,7 @@ since the island started, so the islands' logs share one clock.
 """
 
 import functools
+import itertools
 import json
 import os
 import time
@@ -157,9 +158,21 @@ def run_island(config: Config) -> int:
         # Streaming DiLoCo's schedule (`eqx_diloco.schedule`): fragment f first syncs after (f + 1) H / P steps.
         since = [period - ((f + 1) * period) // num_fragments for f in range(num_fragments)]
         steps_done = [0] * num_fragments
+        # Without waiting, an island still waits for its first merge of each fragment after it joins (its
+        # start or restart): that merge comes back to every island in it at once, so islands that started
+        # apart (a compile, a slower host) train in phase from there on, and reach their last step
+        # together (an island steps ahead would end alone, its last pushes merged on their own).
+        in_phase = [dc.wait] * num_fragments
+        # Without waiting, islands that run at different speeds do not reach their own last step together:
+        # the run ends on theta_g's tokens instead, --train.steps of every island's, at the first merge
+        # that completes them, which every island of that merge learns at once. A faster island makes
+        # more than --train.steps steps, a slower fewer, and no island trains on alone at the end.
+        budget = d.num_replicas * t.steps * tokens_per_step
         seconds_per_step = None
         key = jax.random.fold_in(jax.random.key(t.seed), k)
-        for step in range(start, t.steps):
+        for step in itertools.count(start):
+            if dc.wait and step == t.steps:
+                break
             began = time.perf_counter()
             batch = place_batch(batches.batch(step)[0], batch_sharding)
             params, opt_state, loss = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
@@ -173,33 +186,44 @@ def run_island(config: Config) -> int:
             h = period
             if dc.adaptive_h:  # from the leader's speed: every process of the island syncs at the same steps
                 h = group.agree(adaptive_sync_period(period, 1.0 / seconds_per_step, group.fastest_steps_per_s))
-            last = step + 1 == t.steps
+            last = dc.wait and step + 1 == t.steps
             lost = group.lost_rounds
             if not dc.wait:
+                before = list(group.versions)
                 params = group.collect(params)  # merges that came back since the last step
+                # A fragment's next round counts from the step its merge came back in, as a waiting
+                # island's does: the islands of a merge get it at the same moment, so they push together
+                # again. Counted from its own push, an island that ran a little faster would push ever
+                # earlier than the others, and its merges would come back ever later.
+                for f in range(num_fragments):
+                    if group.versions[f] != before[f]:
+                        since[f] = 1
+                        write({"step": step + 1, "time": time.time() - t0, "merged": f, "version": group.versions[f]})
+                if group.tokens_merged >= budget:
+                    write({"step": step + 1, "time": time.time() - t0, "tokens_merged": group.tokens_merged,
+                           "budget_reached": True})
+                    break
             for f in range(num_fragments):
                 if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
-                    open_push = not dc.wait and group.in_flight(f)  # its previous merge has not come back
-                    if open_push and not last:
+                    if not dc.wait and group.in_flight(f):  # its previous merge has not come back:
                         continue  # pushed once it has (collected at the top of a later step), with the steps since
                     waited = time.perf_counter()
                     base_version = group.versions[f]
-                    if dc.wait:
+                    if dc.wait or not in_phase[f]:
                         params = group.sync(params, f, tokens=steps_done[f] * tokens_per_step,
                                             steps_per_s=1.0 / seconds_per_step)
                     else:
-                        if open_push:  # the last step: its previous merge must land before the final push
-                            params = group.collect(params, wait=True)
-                        base_version = group.versions[f]
                         group.push(params, f, tokens=steps_done[f] * tokens_per_step,
                                    steps_per_s=1.0 / seconds_per_step)
+                    in_phase[f] = True
                     write({"step": step + 1, "time": time.time() - t0, "sync": f, "base_version": base_version,
                            "version": group.versions[f], "h": h, "wait_s": round(time.perf_counter() - waited, 4),
                            "tokens_sent": steps_done[f] * tokens_per_step})
                     since[f], steps_done[f] = 0, 0
                     if leader:
                         _write_progress(progress, step + 1)
-            if group.lost_rounds > lost:
+            if group.lost_rounds > lost:  # it joined again
+                in_phase = [dc.wait] * num_fragments
                 write({"step": step + 1, "time": time.time() - t0, "lost_round": True, "joined": True,
                        "versions": group.versions})
         params = group.collect(params, wait=True)
