@@ -5,7 +5,8 @@ replica each, as separate processes:
 
 - `decoupled`: `--decoupled` (a syncer and 4 independent islands; `--decoupled.adaptive-h` in the slow
   and paced scenarios); in the failures scenario also `decoupled-no-wait`, the same with `--decoupled.no-wait`
-  (an island pushes in the background and never waits for a merge);
+  (an island pushes in the background and waits only for its first merge at the start; the run ends on
+  theta_g's tokens);
 - `sync`: the synchronous multi-process run (`--diloco.num-replicas 4`), one JAX world;
 - `elastic`: the synchronous run with `--elastic.enabled` (the failures scenario: a lost island
   re-forms the run with the others, then rejoins).
@@ -27,6 +28,7 @@ Scenarios:
    half as often. The pace is longer than a step takes on the shared cores, so each island runs at
    the speed it would have alone, whatever the others do: the case of islands on separate hardware,
    one of an older generation. Same target and measure as slow.
+   **speeds_no_wait** adds `decoupled-no-wait` runs to both (same seeds, knobs and target).
 4. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
    mean `--kill-every-s` seconds, default `KILL_EVERY_S`, from the first step, `--max-kills` of them, a
    kill only once every island killed before has come back), `--max-restarts` enough for all, in
@@ -304,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
                         help="mean seconds between kills in the failures and long_steps scenarios")
     parser.add_argument("--max-kills", type=int, default=MAX_KILLS, help="kills per run in those scenarios")
-    parser.add_argument("--scenarios", default="equal,equal_no_wait,slow,paced,failures,long_steps",
+    parser.add_argument("--scenarios", default="equal,equal_no_wait,slow,paced,speeds_no_wait,failures,long_steps",
                         help="which to run (comma-separated; equal implies slow and paced); the others are kept from "
                              "--out-dir's decoupled.json")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
-    if not scenarios <= {"equal", "equal_no_wait", "slow", "paced", "failures", "long_steps"}:
-        parser.error(f"--scenarios takes equal, equal_no_wait, slow, paced, failures, long_steps (got {args.scenarios})")
+    known = ["equal", "equal_no_wait", "slow", "paced", "speeds_no_wait", "failures", "long_steps"]
+    if not scenarios <= set(known):
+        parser.error(f"--scenarios takes {', '.join(known)} (got {args.scenarios})")
     if "equal" in scenarios:
         scenarios |= {"slow", "paced"}  # their target loss and step times come from the equal runs
     mode = args.mode or "quick"
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(previous.read_text()) if previous.exists() else {}
     if result.get("mode") != mode:
         result = {}
-    for scenario in scenarios:  # measured again below
+    for scenario in scenarios - {"speeds_no_wait"}:  # measured again below
         for key in {"equal": ["equal"], "equal_no_wait": ["equal_no_wait"], "slow": ["slow"], "paced": ["paced"],
                     "failures": ["failure_free", "failures"],
                     "long_steps": ["long_steps_free", "long_steps"]}[scenario]:
@@ -386,6 +389,17 @@ def main(argv: list[str] | None = None) -> int:
         for runs in result[scenario].values():
             for r in runs:
                 r["time_to_target_s"] = time_to_target(r, target)
+        save()
+    for scenario in ("slow", "paced"):  # the same with --decoupled.no-wait, beside the runs above
+        if not (pinned["slow"] and "speeds_no_wait" in scenarios and scenario in result):
+            continue
+        slow = {"slow_s": result["median_step_s"]} if scenario == "slow" else {"periods": {
+            k: result["pace_s"] * (2 if k == ISLANDS - 1 else 1) for k in range(ISLANDS)}}
+        runs = result[scenario]["decoupled-no-wait"] = [run("decoupled-no-wait", s, **slow)
+                                                        for s in range(pinned["seeds"])]
+        for r in runs:
+            r["time_to_target_s"] = time_to_target(r, target)
+        result["revisions"][f"{scenario}_no_wait"] = revision
         save()
 
     def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int) -> None:
@@ -499,11 +513,12 @@ def report(result: dict) -> str:
                          common.fmt_pm(ms(r["wall_s"] for r in runs), ".1f", " s")])
         lines += [_table(["mode", "seeds", "reached target", "wall time to target", "final eval loss",
                                          "wall time"], rows), ""]
-        pairs = [(d["time_to_target_s"], s["time_to_target_s"]) for d, s in zip(result[scenario]["decoupled"],
-                                                                                result[scenario]["sync"])]
-        if pairs and all(d is not None and s is not None for d, s in pairs):
-            lines += ["Decoupled over synchronous wall time to target, paired by seed: "
-                      f"{common.fmt_pm(ms(d / s for d, s in pairs), '.3f')} (target: below 1).", ""]
+        sync = {r["seed"]: r["time_to_target_s"] for r in result[scenario]["sync"]}
+        for kind, label in (("decoupled", "Decoupled"), ("decoupled-no-wait", "With `--decoupled.no-wait`")):
+            pairs = [(r["time_to_target_s"], sync.get(r["seed"])) for r in result[scenario].get(kind, [])]
+            if pairs and all(d is not None and s is not None for d, s in pairs):
+                lines += [f"{label}: over synchronous wall time to target, paired by seed: "
+                          f"{common.fmt_pm(ms(d / s for d, s in pairs), '.3f')} (target: below 1).", ""]
     if "failures" in result:
         lines += ["## Islands killed at random", "",
                   f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean "

@@ -174,3 +174,20 @@ def test_decoupled_report_compares_no_wait_islands_with_the_same_seeds_synchrono
     text = decoupled.report(result)
     assert "With `--decoupled.no-wait` (2 seeds): final eval loss 1.5150 +- 0.7142" in text
     assert "paired by seed: +1.00% +- 0.00%." in text
+
+
+def test_decoupled_report_pairs_time_to_target_by_seed_for_each_decoupled_mode():
+    from benchmarks import decoupled
+
+    def runs(times, seeds=(0, 1)):
+        return [{"seed": s, "final_eval_loss": 1.0, "wall_s": 40.0, "time_to_target_s": t} for s, t in zip(seeds, times)]
+
+    result = {"mode": "quick", "islands": 4, "steps": 300, "flags": [], "median_step_s": 0.05, "target_eval_loss": 1.8,
+              "machine": {"cpu_count": 2, "platform": "p", "python": "3", "jax": "0"}, "revisions": {"equal": "r"},
+              "equal": {"decoupled": runs([1, 1]), "sync": runs([1, 1])},
+              "slow": {"decoupled": runs([9.0, 18.0]), "sync": runs([20.0, 10.0], seeds=(1, 0)),
+                       "decoupled-no-wait": runs([5.0, 10.0])}}
+    text = decoupled.report(result)
+    assert "Decoupled: over synchronous wall time to target, paired by seed: 0.900 +- 0.000" in text
+    assert "With `--decoupled.no-wait`: over synchronous wall time to target, paired by seed: 0.500 +- 0.000" in text
+    assert "| decoupled-no-wait | 2 | 2 / 2 |" in text

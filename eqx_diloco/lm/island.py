@@ -158,11 +158,11 @@ def run_island(config: Config) -> int:
         # Streaming DiLoCo's schedule (`eqx_diloco.schedule`): fragment f first syncs after (f + 1) H / P steps.
         since = [period - ((f + 1) * period) // num_fragments for f in range(num_fragments)]
         steps_done = [0] * num_fragments
-        # Without waiting, an island still waits for its first merge of each fragment after it joins (its
-        # start or restart): that merge comes back to every island in it at once, so islands that started
-        # apart (a compile, a slower host) train in phase from there on, and reach their last step
-        # together (an island steps ahead would end alone, its last pushes merged on their own).
-        in_phase = [dc.wait] * num_fragments
+        # Without waiting, an island still waits for its first merge of each fragment at the run's start:
+        # that merge comes back to every island at once, so islands that started apart (a compile, a
+        # slower host) train in phase from there on. A restarted island does not wait: its first push is a
+        # late one (merged with the others' next report), and its next round counts from that merge's return.
+        in_phase = [dc.wait or start > 0] * num_fragments
         # Without waiting, islands that run at different speeds do not reach their own last step together:
         # the run ends on theta_g's tokens instead, --train.steps of every island's, at the first merge
         # that completes them, which every island of that merge learns at once. A faster island makes
@@ -222,8 +222,7 @@ def run_island(config: Config) -> int:
                     since[f], steps_done[f] = 0, 0
                     if leader:
                         _write_progress(progress, step + 1)
-            if group.lost_rounds > lost:  # it joined again
-                in_phase = [dc.wait] * num_fragments
+            if group.lost_rounds > lost:
                 write({"step": step + 1, "time": time.time() - t0, "lost_round": True, "joined": True,
                        "versions": group.versions})
         params = group.collect(params, wait=True)
