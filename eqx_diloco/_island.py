@@ -105,6 +105,7 @@ class Island:
             raise ConfigError(f"the syncer's fragments have sizes {[t.size for t in thetas]}, this island's model "
                               f"makes {self.sizes}: the syncer serves another model or fragment layout")
         self.versions, self.base = list(versions), [np.array(t, np.float32) for t in thetas]
+        self.tokens_merged = float(self.client.status()["tokens_merged"])  # a restart may come after the run's end
         self.residuals = [np.zeros(n, np.float32) for n in self.sizes]
         for f, theta in enumerate(thetas):
             model = self._install(model, f, theta)

@@ -160,8 +160,8 @@ def run_island(config: Config) -> int:
         steps_done = [0] * num_fragments
         # Without waiting, an island still waits for its first merge of each fragment at the run's start:
         # that merge comes back to every island at once, so islands that started apart (a compile, a
-        # slower host) train in phase from there on. A restarted island does not wait: its first push is a
-        # late one (merged with the others' next report), and its next round counts from that merge's return.
+        # slower host) train in phase from there on. A restarted island does not wait (the others are
+        # mid-run); its rounds count from its first merge's return, as below.
         in_phase = [dc.wait or start > 0] * num_fragments
         # Without waiting, islands that run at different speeds do not reach their own last step together:
         # the run ends on theta_g's tokens instead, --train.steps of every island's, at the first merge
@@ -170,8 +170,15 @@ def run_island(config: Config) -> int:
         budget = d.num_replicas * t.steps * tokens_per_step
         seconds_per_step = None
         key = jax.random.fold_in(jax.random.key(t.seed), k)
+        def budget_reached(step: int) -> bool:
+            if dc.wait or group.tokens_merged < budget:
+                return False
+            write({"step": step, "time": time.time() - t0, "tokens_merged": group.tokens_merged,
+                   "budget_reached": True})
+            return True
+
         for step in itertools.count(start):
-            if dc.wait and step == t.steps:
+            if dc.wait and step == t.steps or step == start and budget_reached(step):  # (restarted after the end)
                 break
             began = time.perf_counter()
             batch = place_batch(batches.batch(step)[0], batch_sharding)
@@ -199,9 +206,7 @@ def run_island(config: Config) -> int:
                     if group.versions[f] != before[f]:
                         since[f] = 1
                         write({"step": step + 1, "time": time.time() - t0, "merged": f, "version": group.versions[f]})
-                if group.tokens_merged >= budget:
-                    write({"step": step + 1, "time": time.time() - t0, "tokens_merged": group.tokens_merged,
-                           "budget_reached": True})
+                if budget_reached(step + 1):
                     break
             for f in range(num_fragments):
                 if since[f] >= h or (last and t.final_sync and steps_done[f] > 0):
