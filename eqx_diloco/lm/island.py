@@ -170,6 +170,7 @@ def run_island(config: Config) -> int:
         budget = d.num_replicas * t.steps * tokens_per_step
         seconds_per_step = None
         key = jax.random.fold_in(jax.random.key(t.seed), k)
+
         def budget_reached(step: int) -> bool:
             if dc.wait or group.tokens_merged < budget:
                 return False
