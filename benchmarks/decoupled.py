@@ -376,15 +376,19 @@ def main(argv: list[str] | None = None) -> int:
         result["revisions"]["equal_no_wait"] = revision
     save()
     result["target_eval_loss"] = target = TARGET_FACTOR * sync_final
+
+    def speed_knobs(scenario: str) -> dict:  # the slow or paced scenario's `Run` arguments
+        if scenario == "slow":
+            return {"slow_s": result["median_step_s"]}
+        return {"periods": {k: result["pace_s"] * (2 if k == ISLANDS - 1 else 1) for k in range(ISLANDS)}}
+
     for scenario in ("slow", "paced"):
         if not (pinned["slow"] and scenario in scenarios):
             continue
         result["revisions"][scenario] = revision
-        if scenario == "slow":
-            slow = {"slow_s": result["median_step_s"]}
-        else:
-            result["pace_s"] = pace = PACE_FACTOR * result["median_step_s"]
-            slow = {"periods": {k: pace * (2 if k == ISLANDS - 1 else 1) for k in range(ISLANDS)}}
+        if scenario == "paced":
+            result["pace_s"] = PACE_FACTOR * result["median_step_s"]
+        slow = speed_knobs(scenario)
         result[scenario] = {kind: [run(kind, s, **slow) for s in range(pinned["seeds"])] for kind in ("decoupled", "sync")}
         for runs in result[scenario].values():
             for r in runs:
@@ -393,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in ("slow", "paced"):  # the same with --decoupled.no-wait, beside the runs above
         if not (pinned["slow"] and "speeds_no_wait" in scenarios and scenario in result):
             continue
-        slow = {"slow_s": result["median_step_s"]} if scenario == "slow" else {"periods": {
-            k: result["pace_s"] * (2 if k == ISLANDS - 1 else 1) for k in range(ISLANDS)}}
-        runs = result[scenario]["decoupled-no-wait"] = [run("decoupled-no-wait", s, **slow)
+        runs = result[scenario]["decoupled-no-wait"] = [run("decoupled-no-wait", s, **speed_knobs(scenario))
                                                         for s in range(pinned["seeds"])]
         for r in runs:
             r["time_to_target_s"] = time_to_target(r, target)
