@@ -32,7 +32,10 @@ Scenarios:
 4. **failures**: a kill driver SIGKILLs a random island at random moments (seeded; exponential gaps of
    mean `--kill-every-s` seconds, default `KILL_EVERY_S`, from the first step, `--max-kills` of them, a
    kill only once every island killed before has come back), `--max-restarts` enough for all, in
-   runs of twice the steps (so the kills fall inside training). Reported per mode:
+   runs of twice the steps (so the kills fall inside training). The decoupled modes restart a killed
+   island with one of `--spares` standby islands (started and compiled, waiting: the launcher's
+   `--spares`, default `SPARES`), their failure-free runs with the same idle spares; the
+   `decoupled-no-wait-no-spare` mode restarts it from scratch. Reported per mode:
    - goodput, time-based: tokens merged into theta_g per second of the run's training (from the moment
      every island has stepped to the exit; also over the whole run, launch to exit) over the same in
      the mode's failure-free run of that seed and length: the share of the failure-free throughput
@@ -45,6 +48,7 @@ Scenarios:
      the kill to the next kill or 20 s after), beside the same islands' longest gap over the same
      stretch of the failure-free run (the machine's own jitter); `elastic`, the run's stall at the
      loss and at the rejoin (its `stalled_s` events);
+   - seconds from each kill to the killed island's next step line;
    - wall time and final eval loss.
 5. **long_steps**: the failures scenario for the decoupled modes at `LONG_STEP_BATCH` sequences per
    island step (`LONG_STEP_STEPS` steps): a step of several hundred ms, against which the jitter of 4
@@ -85,6 +89,8 @@ BATCH, SEQ_LEN = 8, 128
 LONG_STEP_BATCH, LONG_STEP_STEPS = 48, 200
 KILL_EVERY_S = 25.0
 MAX_KILLS = 3
+SPARES = 1
+NO_SPARE = "-no-spare"  # a decoupled mode's suffix: its killed islands restart from scratch
 TARGET_FACTOR = 1.05
 PACE_FACTOR = 2.0  # the paced scenario's fast islands step once per this many median steps (of the equal runs)
 FLAGS = ["--model.num-layers", "2", "--model.dim", "64", "--model.num-heads", "2",
@@ -112,7 +118,7 @@ class Run:
 
     def __init__(self, kind: str, seed: int, steps: int, work: pathlib.Path, cache: pathlib.Path, *,
                  slow_s: float = 0.0, periods: dict[int, float] | None = None, kills: list[float] | None = None,
-                 kill_seed: int = 0, batch: int = BATCH):
+                 kill_seed: int = 0, batch: int = BATCH, spares: int = 0):
         self.kind, self.seed = kind, seed
         self.tokens_per_step = batch * SEQ_LEN
         self.run_dir = work / (f"{kind}_seed{seed}_{steps}_{'kills' if kills else 'slow' if slow_s else 'paced' if periods else 'equal'}"
@@ -122,17 +128,18 @@ class Run:
         trainer = ["--run-dir", str(self.run_dir), *FLAGS, "--train.batch-size", str(batch),
                    "--train.steps", str(steps), "--train.seed", str(seed)]
         self.decoupled = kind.startswith("decoupled")
+        spares = spares if self.decoupled and not kind.endswith(NO_SPARE) else 0  # only a decoupled launcher has them
         if self.decoupled:
             launcher = ["--decoupled", *launcher]
             trainer += ["--decoupled.adaptive-h"] if slow_s or periods else []
-            trainer += ["--decoupled.no-wait"] if kind == "decoupled-no-wait" else []
+            trainer += ["--decoupled.no-wait"] if kind.startswith("decoupled-no-wait") else []
         else:
             trainer += ["--diloco.num-replicas", str(ISLANDS)]
         if kind == "elastic":
             launcher += ["--max-restarts", str(len(kills or ())), "--rejoin-after-s", "1", "--drain-s", "3"]
             trainer += ["--elastic.enabled", "--elastic.min-replicas", "2"]
-        elif kills:
-            launcher += ["--max-restarts", str(len(kills))]
+        elif kills or spares:  # spares also in the failure-free reference: the same processes, one idle
+            launcher += ["--max-restarts", str(max(len(kills or ()), 1))] + (["--spares", str(spares)] if spares else [])
         self.cmd = [sys.executable, "-m", "eqx_diloco.launch", *launcher, "--", *trainer]
         self.env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache))
         self.env.pop("EQX_DILOCO_SLOW_ISLANDS", None)
@@ -241,6 +248,15 @@ def median_step_s(run: dict) -> float:
     return statistics.median(gaps)
 
 
+def back_after(run: dict) -> list[float | None]:
+    """Per kill: seconds from the kill to the killed island's next step line (None: it never stepped again)."""
+    out = []
+    for kill in run["kills"]:
+        later = [t for t in run["step_times"][kill["island"]] if t > kill["wall_s"]]
+        out.append(min(later) - kill["wall_s"] if later else None)
+    return out
+
+
 def kill_windows(run: dict, horizon_s: float = 20.0) -> list[tuple[float, float, list[int]]]:
     """Per kill: (start, end, survivors): from the kill to the next kill (or `horizon_s` later), and the
     islands training through it (not the killed one, nor one killed before and not back yet, nor one
@@ -306,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
                         help="mean seconds between kills in the failures and long_steps scenarios")
     parser.add_argument("--max-kills", type=int, default=MAX_KILLS, help="kills per run in those scenarios")
+    parser.add_argument("--spares", type=int, default=SPARES,
+                        help="the launcher's --spares in the failure scenarios' decoupled runs (not those named "
+                             f"...{NO_SPARE})")
     parser.add_argument("--scenarios", default="equal,equal_no_wait,slow,paced,speeds_no_wait,failures,long_steps",
                         help="which to run (comma-separated; equal implies slow and paced); the others are kept from "
                              "--out-dir's decoupled.json")
@@ -406,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int) -> None:
         result[f"{key}_kill_every_s"], result[f"{key}_max_kills"] = args.kill_every_s, args.max_kills
-        result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch) for s in range(pinned["failure_seeds"])]
+        result[f"{key}_spares"] = args.spares
+        result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch, spares=args.spares)
+                                   for s in range(pinned["failure_seeds"])]
                             for kind in ["sync" if k == "elastic" else k for k in kinds]}
         save()
         result[key] = {}
@@ -414,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = []
             for s in range(pinned["failure_seeds"]):
                 r = run(kind, s, steps=steps, kills=kill_schedule(s, args.kill_every_s, args.max_kills), kill_seed=s,
-                        batch=batch)
+                        batch=batch, spares=args.spares)
                 reference = result[free_key]["sync" if kind == "elastic" else kind][s]
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
@@ -423,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["goodput_tokens"] = r["tokens_merged"] / r["tokens_computed"]
                 if kind != "elastic":
                     r["kill_gaps_s"], r["calm_gaps_s"] = kill_gaps(r, reference)
+                    r["back_after_s"] = back_after(r)
                 runs.append(r)
             result[key][kind] = runs
         save()
@@ -430,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     if pinned["failure_seeds"] and "failures" in scenarios:
         result["revisions"]["failures"] = revision
         result["failure_steps"] = pinned["failure_steps"]
-        failures("failure_free", "failures", ("decoupled", "decoupled-no-wait", "elastic"), pinned["failure_steps"],
-                 BATCH)
+        failures("failure_free", "failures", ("decoupled", "decoupled-no-wait", f"decoupled-no-wait{NO_SPARE}", "elastic"),
+                 pinned["failure_steps"], BATCH)
     if pinned["failure_seeds"] and "long_steps" in scenarios:
         result["revisions"]["long_steps"] = revision
         failures("long_steps_free", "long_steps", ("decoupled", "decoupled-no-wait"), LONG_STEP_STEPS, LONG_STEP_BATCH)
@@ -462,10 +484,13 @@ def _failures_table(runs_by_kind: dict) -> str:
                 worst = (f"{max(r['stalls_s'], default=0) / r['median_step_s']:.0f}x (stalls "
                          + ", ".join(f"{g:.1f}" for g in r["stalls_s"]) + f" s; median step "
                          f"{r['median_step_s'] * 1000:.0f} ms)") if r["median_step_s"] else "-"
+            back = ", ".join("-" if b is None else f"{b:.1f}" for b in r.get("back_after_s", []))
             rows.append([kind, str(r["seed"]), str(len(r["kills"])), f"{r['goodput_time']:.2f} ({r['goodput_wall']:.2f})",
-                         f"{r['goodput_tokens']:.3f}", worst, f"{r['wall_s']:.1f} s", f"{r['final_eval_loss']:.4f}"])
+                         f"{r['goodput_tokens']:.3f}", worst, f"{back} s" if back else "-", f"{r['wall_s']:.1f} s",
+                         f"{r['final_eval_loss']:.4f}"])
     return _table(["mode", "seed", "kills", "goodput, time (whole run)", "goodput (tokens)",
-                   "survivors' longest gap / median step", "wall time", "final eval loss"], rows)
+                   "survivors' longest gap / median step", "killed island's next step after", "wall time",
+                   "final eval loss"], rows)
 
 
 def report(result: dict) -> str:
@@ -526,8 +551,11 @@ def report(result: dict) -> str:
                   f"{result['failure_steps']} steps per island. Kills: exponential gaps of mean "
                   f"{result.get('failures_kill_every_s', KILL_EVERY_S):g} s from "
                   f"the first step, at most {result.get('failures_max_kills', MAX_KILLS)}, a random island each "
-                  "(seeded); each killed island is "
-                  "restarted. Goodput, time: tokens merged per second of training (from the moment every island "
+                  "(seeded); each killed island is restarted: in the decoupled modes by one of "
+                  f"{result.get('failures_spares', 0)} spare(s) the launcher keeps started and compiled "
+                  f"(`--spares`), also in their failure-free runs, where it stays idle; in `{NO_SPARE[1:]}` modes "
+                  "from scratch. Killed island's next step: seconds from each kill to the island's next step line. "
+                  "Goodput, time: tokens merged per second of training (from the moment every island "
                   "has stepped to the exit) over the failure-free run's (same seed and steps), and in brackets the "
                   "same over the whole run (launch to exit); goodput (tokens): tokens merged over tokens computed. "
                   "Survivors' longest gap: per kill, the longest time between two step lines of the islands "

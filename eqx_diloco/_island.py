@@ -9,6 +9,7 @@ installed back into its model. The island's inner steps are the user's own progr
     # or, never waiting: island.push(model, 0, tokens=n), then model = island.collect(model) every step
 """
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -48,6 +49,14 @@ def install_fragment(params: PyTree, fragmenter: Fragmenter, fragment: int, vect
     return fragmenter.put(params, fragment, values)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _encode(delta: Float32[Array, " n"], fmt: str):
+    """`delta` in wire format `fmt`, and what the format lost of it (the error-feedback residual).
+    One program per fragment size and format, shared by every `Island` of the process."""
+    payload = codec.encode(delta, fmt)
+    return payload, delta - codec.decode(payload, fmt, delta.shape)
+
+
 class Island:
     """The syncing half of one decoupled island.
 
@@ -85,14 +94,14 @@ class Island:
         self.fastest_steps_per_s: float | None = None
         self.tokens_merged = 0.0  # theta_g's tokens as of the newest merge that came back
         self.lost_rounds = 0  # pushes whose tokens never reached theta_g (refused, or the syncer lost them)
-        self._encode = jax.jit(self._encode_impl, static_argnums=1)
         self._sender = ThreadPoolExecutor(max_workers=num_fragments, thread_name_prefix="island-push")
         self._pending: dict[int, tuple[Future, np.ndarray]] = {}
 
-    @staticmethod
-    def _encode_impl(delta: Float32[Array, " n"], fmt: str):
-        payload = codec.encode(delta, fmt)
-        return payload, delta - codec.decode(payload, fmt, delta.shape)
+    def compile(self) -> None:
+        """Compile (or load from the cache) each fragment's encoder now: at its first push it would stall
+        the step. `join` calls it; a standby island calls it before it knows which island it becomes."""
+        for n in self.sizes:
+            _encode.lower(jnp.zeros(n, jnp.float32), self.fmt).compile()
 
     def _install(self, model: PyTree, fragment: int, theta: np.ndarray) -> PyTree:
         params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -109,8 +118,7 @@ class Island:
         self.residuals = [np.zeros(n, np.float32) for n in self.sizes]
         for f, theta in enumerate(thetas):
             model = self._install(model, f, theta)
-            # Each fragment's encoder compiled (or loaded) now: at its first push it would stall the step.
-            self._encode.lower(jnp.zeros(theta.size, jnp.float32), self.fmt).compile()
+        self.compile()
         return model
 
     def _vector(self, model: PyTree, fragment: int) -> np.ndarray:
@@ -125,7 +133,7 @@ class Island:
         delta = self.base[fragment] - current
         if self.error_feedback:
             delta = delta + self.ef_decay * self.residuals[fragment]  # x 1.0 is exact: classic error feedback
-        payload, residual = self._encode(jnp.asarray(delta), self.fmt)
+        payload, residual = _encode(jnp.asarray(delta), self.fmt)
         if self.error_feedback:
             self.residuals[fragment] = np.asarray(residual)
         call = self._sender.submit(

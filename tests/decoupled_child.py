@@ -5,6 +5,8 @@ It reads its role from the flags the launcher adds (`--decoupled.role`, `--decou
 `$DECOUPLED_CHILD_DIR/starts.jsonl` (role, island, process, pid, coordinator, the CPUs it may use). Then:
 
 - the syncer sleeps until it is stopped (SIGTERM);
+- a spare (`--decoupled.standby`) reads its assignment, `{"island": K, "cpus": [...]}`, from its standard
+  input, keeps to those CPUs, appends `{"took": K, "pid": ..., "cpus": ...}` and goes on as island K;
 - an island process listed in `$DECOUPLED_CHILD_FAIL` as `K:P` (island K, process P) exits 1 after a
   moment at its first start; every other island process, and every restart, sleeps
   `$DECOUPLED_CHILD_SECONDS`, appends `{"finished": pid}` and exits 0.
@@ -28,6 +30,14 @@ record = {"role": role, "island": island, "process": int(process), "pid": os.get
           "cpus": sorted(os.sched_getaffinity(0))}
 with (folder / "starts.jsonl").open("a") as log:
     log.write(json.dumps(record) + "\n")
+if "--decoupled.standby" in sys.argv:
+    message = json.loads(sys.stdin.readline())
+    island = str(message["island"])
+    if message["cpus"]:
+        os.sched_setaffinity(0, message["cpus"])
+    with (folder / "starts.jsonl").open("a") as log:
+        log.write(json.dumps({"took": island, "process": int(process), "pid": os.getpid(),
+                              "cpus": sorted(os.sched_getaffinity(0))}) + "\n")
 if role == "syncer":
     time.sleep(600)
     sys.exit(0)

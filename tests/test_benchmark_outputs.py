@@ -138,6 +138,24 @@ def test_decoupled_benchmark_paces_islands_through_the_environment_knob(tmp_path
     assert "--decoupled.adaptive-h" not in sync.cmd and paced.run_dir.name.endswith("_paced_batch8")
 
 
+def test_decoupled_benchmark_gives_spares_to_its_decoupled_failure_runs_but_not_the_no_spare_mode(tmp_path):
+    """A decoupled run with kills, and its failure-free reference, launch with the spares; the no-spare
+    mode and the elastic mode restart from scratch."""
+    from benchmarks import decoupled
+
+    def launcher(kind, kills=None):
+        cmd = decoupled.Run(kind, 0, 10, tmp_path, tmp_path / "cache", kills=kills, spares=1).cmd
+        return cmd[cmd.index("eqx_diloco.launch") + 1:cmd.index("--")]
+
+    assert launcher("decoupled-no-wait", [1.0, 2.0])[-4:] == ["--max-restarts", "2", "--spares", "1"]
+    assert launcher("decoupled")[-4:] == ["--max-restarts", "1", "--spares", "1"]  # the reference: one idle spare
+    assert launcher(f"decoupled-no-wait{decoupled.NO_SPARE}", [1.0])[-2:] == ["--max-restarts", "1"]
+    assert "--spares" not in launcher("elastic", [1.0]) and "--spares" not in launcher("sync")
+    run = {"kills": [{"island": 1, "wall_s": 10.0}, {"island": 0, "wall_s": 20.0}],
+           "step_times": {0: [19.0, 19.5], 1: [9.5, 12.5, 13.0]}}
+    assert decoupled.back_after(run) == [2.5, None]
+
+
 def test_decoupled_kill_gaps_take_the_survivors_and_the_same_stretch_of_the_failure_free_run():
     from benchmarks import decoupled
 

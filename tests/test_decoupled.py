@@ -525,6 +525,7 @@ def test_the_island_refuses_a_syncer_of_another_model(service):
     (dict(decoupled={"grace_min_s": 2.0, "grace_max_s": 1.0}), "--decoupled.grace-min-s must be in"),
     (dict(decoupled={"max_staleness": -1}), "--decoupled.max-staleness must be >= 0"),
     (dict(decoupled={"syncer": "localhost"}), "--decoupled.syncer must be HOST:PORT"),
+    (dict(decoupled={"role": "syncer", "standby": True}), "--decoupled.standby needs --decoupled.role island"),
 ])
 def test_bad_decoupled_flags_are_refused_in_one_line(make_config, overrides, match):
     import dataclasses
@@ -544,6 +545,9 @@ def test_bad_decoupled_flags_are_refused_in_one_line(make_config, overrides, mat
     (["--num-processes", "2", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
     (["--num-processes", "2", "--processes-per-island", "0"], "--processes-per-island must be >= 1"),
     (["--num-processes", "2", "--", "--dist.num-processes", "2"], "--dist.num-processes is set by the launcher"),
+    (["--num-processes", "2", "--", "--decoupled.standby"], "--decoupled.standby is set by the launcher"),
+    (["--num-processes", "2", "--spares", "1"], "--spares must be >= 0, and needs --max-restarts >= 1"),
+    (["--num-processes", "2", "--max-restarts", "1", "--spares", "-1"], "--spares must be >= 0"),
 ])
 def test_bad_decoupled_launcher_flags_are_refused_in_one_line(capsys, argv, match):
     assert launch_main(["--decoupled", *argv]) == 2
@@ -551,10 +555,59 @@ def test_bad_decoupled_launcher_flags_are_refused_in_one_line(capsys, argv, matc
     assert match in err and len(err.splitlines()) == 1
 
 
-def test_processes_per_island_needs_decoupled_islands(capsys):
-    assert launch_main(["--num-processes", "2", "--processes-per-island", "2"]) == 2
+@pytest.mark.parametrize("flag", ["--processes-per-island", "--spares"])
+def test_processes_per_island_and_spares_need_decoupled_islands(capsys, flag):
+    assert launch_main(["--num-processes", "2", flag, "2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: --processes-per-island needs --decoupled (got 2)"
+    assert err == f"error: {flag} needs --decoupled (got 2)"
+
+
+@pytest.mark.parametrize("line, match", [
+    ("", "its standard input closed before it was given an island"),
+    ("island 1\n", "expected a line"),
+    ('{"cpus": null}\n', "expected a line"),
+    ('{"island": 2}\n', r"island 2 is not in \[0, 2\)"),
+])
+def test_a_standby_island_refuses_a_bad_assignment_in_one_line(make_config, monkeypatch, line, match):
+    import io
+
+    from eqx_diloco.lm.island import IslandError, await_assignment
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(line))
+    with pytest.raises(IslandError, match=match) as e:
+        await_assignment(make_config())
+    assert "\n" not in str(e.value)
+
+
+def test_a_standby_island_becomes_the_island_it_is_given_on_the_cpus_it_is_given(make_config, monkeypatch):
+    import io
+    import json
+    import os
+
+    from eqx_diloco.lm.island import await_assignment
+
+    cpus = sorted(os.sched_getaffinity(0))
+    seen = {}
+    started, done = threading.Event(), threading.Event()
+
+    def other_thread():  # a thread started before the assignment (as XLA's pools are) moves too
+        started.set()
+        done.wait(10)
+        seen["thread"] = sorted(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    started.wait(10)
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"island": 1, "cpus": cpus[-1:]}) + "\n"))
+    try:
+        config = await_assignment(dataclasses.replace(make_config(), decoupled=DecoupledConfig(role="island", standby=True)))
+        seen["main"] = sorted(os.sched_getaffinity(0))
+    finally:
+        done.set()
+        thread.join()
+        os.sched_setaffinity(0, cpus)
+    assert config.decoupled.island == 1 and not config.decoupled.standby and config.decoupled.role == "island"
+    assert seen == {"main": cpus[-1:], "thread": cpus[-1:]}
 
 
 def _wait_for(condition, timeout, what):
@@ -581,7 +634,8 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
     env = dict(os.environ, EQX_DILOCO_SLOW_ISLANDS="0:0.02,1:0.02")  # 20 ms more per step: killed mid-run
     # (Islands of several processes restart as a whole: test_one_dead_process_takes_its_island_down_...)
     proc = subprocess.Popen([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
-                             "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), "--", *flags], env=env,
+                             "--max-restarts", "1", "--spares", "1", "--log-dir", str(tmp_path / "logs"), "--", *flags],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def step_of(k):
@@ -599,6 +653,7 @@ def test_the_launcher_runs_on_through_killed_islands_and_a_killed_syncer(tmp_pat
         proc.communicate()
     assert proc.returncode == 0, output
     assert "island 1 exited with -9; restart 1 of 1" in output and "syncer exited with -9; restart 1 of 1" in output
+    assert "spare 0 took the place of island 1" in output  # compiled and waiting: it joins, it does not start
     for k in range(2):
         records = read_jsonl(run / f"island-{k}" / "metrics.jsonl")
         assert max(r["step"] for r in records if "loss" in r) == steps
@@ -652,6 +707,46 @@ def test_one_dead_process_takes_its_island_down_and_the_island_restarts_whole(tm
     shares = cpu_shares(4)
     assert all(s["cpus"] == shares[2 * int(s["island"]) + s["process"]] for s in island["0"] + island["1"])
     assert next(s["cpus"] for s in starts if s["role"] == "syncer") == sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.slow  # stand-in processes, no JAX program: a few seconds
+def test_a_spare_takes_a_lost_islands_place_and_a_new_spare_starts_behind_it(tmp_path):
+    """`--spares 1` with islands of 2 processes and a stand-in trainer: island 1's process 1 fails at its
+    first start; the spare's two processes (started as a standby, `--decoupled.standby`) are told they are
+    island 1, each on island 1's share of the CPUs for that process, and finish as island 1; a new spare
+    starts behind it (island 0 still has a restart left) and is stopped at the end, never needed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = pathlib.Path(__file__).parent
+    env = dict(os.environ, DECOUPLED_CHILD_DIR=str(tmp_path), DECOUPLED_CHILD_FAIL="1:1", DECOUPLED_CHILD_SECONDS="3",
+               PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2",
+                           "--processes-per-island", "2", "--max-restarts", "1", "--spares", "1", "--module",
+                           "decoupled_child", "--log-dir", str(tmp_path / "logs"), "--", "--run-dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 decoupled islands of 2 processes, 1 spare(s)" in proc.stderr
+    assert "island 1 exited with 1; restart 1 of 1" in proc.stderr
+    assert f"spare 0 took the place of island 1 (its output: {tmp_path / 'logs' / 'spare-0.log'})" in proc.stderr
+    lines = [json.loads(line) for line in (tmp_path / "run").parent.joinpath("starts.jsonl").read_text().splitlines()]
+    starts = [r for r in lines if "role" in r]
+    spares = [s for s in starts if s["role"] == "island" and s["island"] is None]
+    islands = [s for s in starts if s["role"] == "island" and s["island"] is not None]
+    took = [r for r in lines if "took" in r]
+    finished = {r["finished"] for r in lines if "finished" in r}
+    assert len(spares) == 4 and len(islands) == 4  # two spares of 2 processes; no fresh start of island 1
+    assert sorted((r["took"], r["process"]) for r in took) == [("1", 0), ("1", 1)]
+    first_spare = {s["pid"] for s in spares[:2]}  # the second spare starts only once the first took a place
+    assert {r["pid"] for r in took} == first_spare
+    from eqx_diloco.lm._processes import cpu_shares
+
+    shares = cpu_shares(4)
+    assert all(r["cpus"] == shares[2 + r["process"]] for r in took)  # island 1's share, process by process
+    island0 = {s["pid"] for s in islands if s["island"] == "0"}
+    assert finished == island0 | first_spare  # island 0, and island 1 as the spare; the new spare was stopped
 
 
 @pytest.mark.slow  # two decoupled runs through the launcher (about 40 s)
@@ -916,3 +1011,44 @@ def test_without_waiting_an_island_pushes_a_fragment_again_only_once_its_merge_i
     assert len(merged) == len(syncs) - 1
     assert [r["step"] for r in syncs[2:]] == [r["step"] + 1 for r in merged[:-1]]
     assert len(steps_made) == 3 and steps_made[0]._cache_size() == 1  # one program per run
+
+
+def test_a_standby_island_compiles_before_its_assignment_and_trains_as_the_island_it_is_given(make_config,
+                                                                                            monkeypatch):
+    """`--decoupled.standby`: the island runs its step once before it reads which island it is (so the
+    run's steps reuse that program: one compile in all), then trains as island 1 of 2, in island 1's
+    folder, from theta_g."""
+    import io
+    import json
+
+    from eqx_diloco.decoupled import make_syncer
+    from eqx_diloco.lm import island as island_module
+    from eqx_diloco.lm.island import initial_model, run_island
+
+    steps_made, order = [], []
+    make_step = island_module._make_step
+    monkeypatch.setattr(island_module, "_make_step", lambda *a, **k: steps_made.append(make_step(*a, **k)) or steps_made[-1])
+
+    class Assignment(io.StringIO):
+        def readline(self, *args):  # the step has run (compiled) by the time the island reads its id
+            order.append(steps_made[0]._cache_size())
+            return super().readline(*args)
+
+    monkeypatch.setattr("sys.stdin", Assignment(json.dumps({"island": 1, "cpus": None}) + "\n"))
+    config = make_config(train={"steps": 6})
+    syncer = make_syncer(initial_model(config), layers=lambda m: m.blocks, num_islands=2, grace_s=0.0,
+                         outer_optimizer=optax.sgd(1.0))
+    s = SyncerService(syncer, address="127.0.0.1:0", token=TOKEN).start()
+    config = dataclasses.replace(config, decoupled=DecoupledConfig(
+        role="island", syncer=f"127.0.0.1:{s.port}", token=TOKEN, standby=True))
+    try:
+        with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix float and int32 counts
+            assert run_island(config) == 0
+    finally:
+        s.stop(0)
+    assert order == [1] and steps_made[0]._cache_size() == 1  # compiled before the assignment, and only then
+    assert not (config.run_dir / "island-0").exists()
+    lines = read_jsonl(config.run_dir / "island-1" / "metrics.jsonl")
+    assert lines[0]["joined"] and [r["step"] for r in lines if "loss" in r] == list(range(1, 7))
+    assert [r["sync"] for r in lines if "sync" in r] == [0, 0, 0]
+    assert len(syncer.merges) == 3

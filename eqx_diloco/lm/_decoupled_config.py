@@ -26,6 +26,8 @@ class DecoupledConfig:
     """the shared secret every call to the syncer carries (default: $EQX_DILOCO_SYNCER_TOKEN); a call without it is refused."""
     island: int = 0
     """this island's id, in [0, --diloco.num-replicas): it picks the island's data share and random streams."""
+    standby: bool = False
+    """start as a hot spare: load and compile everything that does not depend on the island's id, then wait for one JSON line on standard input, `{"island": K, "cpus": [...]}`, naming the island to become (and the CPUs to keep to). `python -m eqx_diloco.launch --decoupled --spares N` keeps N of them ready, so a lost island's place is taken in a join's time, not a start's."""
     min_quorum: int | None = None
     """islands a merge waits for (of those present; default: all of them); the grace window bounds the wait."""
     grace_s: float | None = None
@@ -70,6 +72,7 @@ def validate_decoupled(config: "Config") -> None:
     _require(d.topk is None, "--diloco.topk is not supported with --decoupled.role (send dense, quantized outer gradients)")
     _require(0 <= dc.island < d.num_replicas, f"--decoupled.island must be in [0, {d.num_replicas}) "
              f"(--diloco.num-replicas islands; got {dc.island})")
+    _require(not dc.standby or dc.role == "island", "--decoupled.standby needs --decoupled.role island (a spare island)")
     _require(dc.min_quorum is None or 1 <= dc.min_quorum <= d.num_replicas,
              f"--decoupled.min-quorum must be in [1, {d.num_replicas}] (got {dc.min_quorum})")
     _require(dc.grace_s is None or dc.grace_s >= 0, f"--decoupled.grace-s must be >= 0 (got {dc.grace_s})")

@@ -61,8 +61,10 @@ class _Role:
     their next collective) and the island counts as exited with the first code seen."""
 
     def __init__(self, name: str, flags: list[str], log: Path, env: dict[str, str], restarts: int,
-                 processes: int = 1, cpus: list[list[int]] | None = None):
+                 processes: int = 1, cpus: list[list[int]] | None = None, standby: bool = False, island: int | None = None):
         self.name, self.flags, self.log, self.env, self.restarts_left = name, flags, log, env, restarts
+        self.standby = standby  # a spare: its processes wait for their island on a pipe (`take_over`)
+        self.island = island  # an island's id
         self.processes, self.cpus = processes, cpus  # cpus: each process's CPUs (None: every CPU)
         self.procs: list[subprocess.Popen] = []
         self.restarted = 0
@@ -86,10 +88,23 @@ class _Role:
             # The syncer's output (its evaluations of theta_g) is this terminal's; errors go to the logs.
             with log.open("a") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", module, *flags], env=self.env,
+                    [sys.executable, "-m", module, *flags], env=self.env, stdin=subprocess.PIPE if self.standby else None,
                     stdout=None if self.name == "syncer" else out,
                     stderr=out if self.name == "syncer" else subprocess.STDOUT,
                     start_new_session=True, preexec_fn=_pinned(_die_with_launcher(), self.cpus[p] if self.cpus else None)))
+
+    def take_over(self, island: "_Role") -> None:
+        """This spare's processes become `island`: each is told the island's id and its share of the CPUs
+        on its standard input (`--decoupled.standby`), and the island's role holds them (its output goes
+        on in the spare's log)."""
+        for p, proc in enumerate(self.procs):
+            line = json.dumps({"island": island.island, "cpus": island.cpus[p] if island.cpus else None}) + "\n"
+            try:
+                proc.stdin.write(line.encode())
+                proc.stdin.close()
+            except BrokenPipeError:  # it died meanwhile: the island's poll sees its exit code
+                pass
+        island.procs, island.log, self.procs = self.procs, self.log, []
 
     def poll(self, grace_s: float) -> int | None:
         """None while the role runs; else its exit code (0: every process finished), its processes gone."""
@@ -105,11 +120,13 @@ class _Role:
 
 def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir: Path, grace_s: float,
                      max_restarts: int, rejoin_after_s: float, processes_per_island: int = 1,
-                     split_cpus: bool = True) -> int:
+                     split_cpus: bool = True, spares: int = 0) -> int:
     """Start the syncer and `num_islands` islands of `processes_per_island` processes each, restart what
     dies, stop the syncer when the islands are done. Returns 0 when every island finished its steps.
     With `split_cpus` every island process keeps to its own share of the CPUs (`cpu_shares`), a
-    restarted one to the same share."""
+    restarted one to the same share. With `spares`, that many standby islands (`--decoupled.standby`)
+    are kept ready: a lost island's restart is a spare taking its place (a new spare starts behind it
+    while restarts are left), else a fresh start."""
     log_dir.mkdir(parents=True, exist_ok=True)
     address = flag_value(flags, "--decoupled.syncer")
     if address is None:
@@ -126,14 +143,32 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
                      log_dir / f"island-{k}.log", env, max_restarts, processes_per_island,
                      shares[k * processes_per_island:(k + 1) * processes_per_island] if shares else None)
                for k in range(num_islands)]
+    for k, role in enumerate(islands):
+        role.island = k
+    started_spares = 0
+
+    def new_spare() -> _Role:
+        nonlocal started_spares
+        j, k = started_spares, started_spares % num_islands  # spare j starts on island k's share of the CPUs
+        started_spares += 1
+        spare = _Role(f"spare {j}", [*flags, "--decoupled.role", "island", "--decoupled.standby"],
+                      log_dir / f"spare-{j}.log", env, 0, processes_per_island,
+                      shares[k * processes_per_island:(k + 1) * processes_per_island] if shares else None, standby=True)
+        spare.start(module)
+        return spare
+
+    pool: list[_Role] = []
     failed: list[str] = []
     each = f" of {processes_per_island} processes" if processes_per_island > 1 else ""
-    print(f"launcher: syncer at {address}, {num_islands} decoupled islands{each}; logs in {log_dir}", file=sys.stderr)
+    ready = f", {spares} spare(s)" if spares else ""
+    print(f"launcher: syncer at {address}, {num_islands} decoupled islands{each}{ready}; logs in {log_dir}",
+          file=sys.stderr)
     roles = [syncer, *islands]
     try:
         with LauncherSignals() as signals:
             for role in roles:
                 role.start(module)
+            pool = [new_spare() for _ in range(spares)]
             while True:
                 if signals.received:
                     sig = signals.received[0]
@@ -145,7 +180,15 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
                     if not role.procs:
                         if role.restart_at is not None and now >= role.restart_at:
                             role.restart_at = None
-                            role.start(module)
+                            if role is not syncer and pool:
+                                spare = pool.pop(0)
+                                spare.take_over(role)
+                                print(f"launcher: {spare.name} took the place of {role.name} (its output: {spare.log})",
+                                      file=sys.stderr)
+                                if any(r.restarts_left > 0 for r in islands):
+                                    pool.append(new_spare())
+                            else:
+                                role.start(module)
                         continue
                     code = role.poll(grace_s)
                     if code is None:
@@ -169,6 +212,16 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
                         return 1
                     else:
                         failed.append(f"{role.name} exited with {code} and has no restarts left: {last}")
+                for spare in list(pool):
+                    code = spare.poll(grace_s)
+                    if code is not None:  # it is waiting for an island: it should not have exited
+                        pool.remove(spare)
+                        last = (tail(spare.log, 1) or "").strip()
+                        if code == 2:
+                            failed.append(f"{spare.name} refused its flags: {last}")
+                            return 2
+                        print(f"launcher: {spare.name} exited with {code} before it was needed; not replaced: {last}",
+                              file=sys.stderr)
                 if all(r.finished or (not r.procs and r.restart_at is None) for r in islands):
                     break
                 time.sleep(0.05)
@@ -179,7 +232,7 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
                 except subprocess.TimeoutExpired:
                     failed.append(f"the syncer did not stop within --grace-s {grace_s:g}")
     finally:
-        stop_all([proc for r in roles for proc in r.procs], grace_s)
+        stop_all([proc for r in [*roles, *pool] for proc in r.procs], grace_s)
         for line in failed:
             print(f"launcher: {line}", file=sys.stderr)
     summary = _run_dir(flags) / "syncer" / "summary.json"

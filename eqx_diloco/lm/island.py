@@ -12,10 +12,12 @@ stay there, as work done. `time` is seconds since `$EQX_DILOCO_RUN_T0` (the laun
 since the island started, so the islands' logs share one clock.
 """
 
+import dataclasses
 import functools
 import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
 from ._core import lm_objective, new_model, transformer_specs
 from ._core import place as place_batch
 from ._env_hooks import island_speed
+from ._processes import keep_to_cpus
 from .config import Config, ConfigError, error_feedback_argument
 from .data import TokenBatches, load_tokens
 from .metrics import MetricsLog
@@ -108,32 +111,87 @@ def _write_progress(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+def _batches(config: Config, tokens: np.ndarray, island: int) -> TokenBatches:
+    t = config.train
+    return TokenBatches(tokens, num_replicas=1, batch_size=t.batch_size, seq_len=t.seq_len,
+                        eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split,
+                        islands=(island,), num_islands=config.diloco.num_replicas)
+
+
+def _fresh_opt_state(optimizer: optax.GradientTransformation, params, start: int, mesh: Mesh):
+    """The inner optimizer's state at step `start` of the schedule, every leaf its own buffer (the step
+    donates them). The step counts are placed as the step returns them (replicated over the island's
+    devices): left on one device, the second step's signature differed from the first's and it
+    compiled the step again."""
+    opt_state = optax.tree_utils.tree_set(optimizer.init(params), count=jax.numpy.asarray(start, jax.numpy.int32))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.numpy.copy(x) if x.ndim else _replicated_scalar(x, replicated), opt_state)
+
+
+def await_assignment(config: Config) -> Config:
+    """A standby island's wait (`--decoupled.standby`): one JSON line on standard input,
+    `{"island": K, "cpus": [...]}`, names the island it becomes and the CPUs it keeps to from then on
+    (null: those it has). Returns `config` as that island's."""
+    line = sys.stdin.readline()
+    if not line:
+        raise IslandError("standby island: its standard input closed before it was given an island to become")
+    try:
+        message = json.loads(line)
+        k, cpus = int(message["island"]), message.get("cpus")
+    except (ValueError, KeyError, TypeError) as e:
+        raise IslandError(f"standby island: expected a line {{\"island\": K, \"cpus\": [...]}} on standard input, "
+                          f"got {line.strip()[:80]!r} ({e})") from None
+    if not 0 <= k < config.diloco.num_replicas:
+        raise IslandError(f"standby island: island {k} is not in [0, {config.diloco.num_replicas}) "
+                          "(--diloco.num-replicas)")
+    if cpus:
+        keep_to_cpus(cpus)
+    return dataclasses.replace(config, decoupled=dataclasses.replace(config.decoupled, island=k, standby=False))
+
+
 def run_island(config: Config) -> int:
     """Train island `--decoupled.island` to `--train.steps`; 0 when it finished. In an island of several
-    processes every process calls it; process 0 (the leader) talks to the syncer and writes the files."""
+    processes every process calls it; process 0 (the leader) talks to the syncer and writes the files.
+
+    A standby island (`--decoupled.standby`) first builds and compiles everything that does not depend
+    on which island it is (the model, its step, the encoders; one step run on a throwaway copy), then
+    waits for `await_assignment`: taking a lost island's place costs it a join, not a start."""
     dc, d, t = config.decoupled, config.diloco, config.train
-    k, num_fragments, period = dc.island, d.num_fragments, d.sync_period
+    num_fragments, period = d.num_fragments, d.sync_period
     t0 = float(os.environ.get(RUN_T0_ENV, time.time()))
     leader = jax.process_index() == 0
+    tokens = load_tokens(config.data, config.model.vocab_size, t.seed)
+    model = initial_model(config)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    shardings, batch_sharding = island_placement(config, model)
+    optimizer = inner_optimizer(t, model.weight_decay_mask(), config.optim)
+    step_fn = _make_step(static, optimizer, config.model.dropout)
+    client = SyncerClient(dc.syncer, token=shared_token(config), retry_s=dc.retry_s) if leader else None
+
+    def new_island(k: int) -> Island | None:
+        return None if client is None else Island(
+            params, layers=lambda m: m.blocks, num_fragments=num_fragments, fragment_pattern=d.fragment_pattern,
+            client=client, island=k, quantize=d.quantize, error_feedback=error_feedback_argument(d))
+
+    if dc.standby:
+        # Everything a start compiles, now: the step (run once on copies, so its program is this
+        # process's, not only the cache's) and the encoders.
+        copies = jax.device_put(jax.tree.map(np.asarray, params), shardings)
+        batch = place_batch(_batches(config, tokens, 0).batch(0)[0], batch_sharding)
+        float(step_fn(copies, _fresh_opt_state(optimizer, copies, 0, batch_sharding.mesh), batch,
+                      jax.random.key(t.seed))[2])
+        if client is not None:
+            new_island(0).compile()
+        config = await_assignment(config)
+    dc, k = config.decoupled, config.decoupled.island
     folder = config.run_dir / f"island-{k}"
     progress = folder / "progress.json"
     if leader:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "pid").write_text(str(os.getpid()))  # whoever supervises or tests the island can signal it
-    tokens = load_tokens(config.data, config.model.vocab_size, t.seed)
-    batches = TokenBatches(tokens, num_replicas=1, batch_size=t.batch_size, seq_len=t.seq_len,
-                           eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split,
-                           islands=(k,), num_islands=d.num_replicas)
-    model = initial_model(config)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    shardings, batch_sharding = island_placement(config, model)
-    optimizer = inner_optimizer(t, model.weight_decay_mask(), config.optim)
-    client = SyncerClient(dc.syncer, token=shared_token(config), retry_s=dc.retry_s) if leader else None
-    island = None if client is None else Island(
-        params, layers=lambda m: m.blocks, num_fragments=num_fragments, fragment_pattern=d.fragment_pattern,
-        client=client, island=k, quantize=d.quantize, error_feedback=error_feedback_argument(d))
+    batches = _batches(config, tokens, k)
+    island = new_island(k)
     group = IslandGroup(island, shardings, num_fragments=num_fragments, num_processes=jax.process_count())
-    step_fn = _make_step(static, optimizer, config.model.dropout)
     speed = island_speed((k,))  # benchmark only
     tokens_per_step = t.batch_size * t.seq_len
     log = MetricsLog(folder, append=True) if leader else None
@@ -148,13 +206,7 @@ def run_island(config: Config) -> int:
         params = group.join(params)
         write({"step": start, "time": time.time() - t0, "joined": True, "versions": group.versions,
                "devices": batch_sharding.mesh.size, "processes": jax.process_count()})
-        # The schedule goes on from `start`; every leaf its own buffer (the step donates them). The step
-        # counts are placed as the step returns them (replicated over the island's devices): left on one
-        # device, the second step's signature differed from the first's and it compiled the step again.
-        opt_state = optax.tree_utils.tree_set(optimizer.init(params), count=jax.numpy.asarray(start, jax.numpy.int32))
-        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-        opt_state = jax.tree.map(lambda x: jax.numpy.copy(x) if x.ndim else _replicated_scalar(x, replicated),
-                                 opt_state)
+        opt_state = _fresh_opt_state(optimizer, params, start, batch_sharding.mesh)  # the schedule goes on from `start`
         # Streaming DiLoCo's schedule (`eqx_diloco.schedule`): fragment f first syncs after (f + 1) H / P steps.
         since = [period - ((f + 1) * period) // num_fragments for f in range(num_fragments)]
         steps_done = [0] * num_fragments

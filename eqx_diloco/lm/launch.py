@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     decoupled.add_argument("--processes-per-island", type=int, default=1,
                            help="processes of each decoupled island: a JAX world of their own over the island's "
                                 "--mesh.* devices, restarted together")
+    decoupled.add_argument("--spares", type=int, default=0,
+                           help="standby islands kept started and compiled (--decoupled.standby): a lost island's "
+                                "restart is a spare taking its place at once (a new spare starts behind it)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the flags for every process")
     args = parser.parse_args(argv)
     if args.num_processes < 1:
@@ -268,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --grace-s must be >= 0 (got {args.grace_s})", file=sys.stderr)
         return 2
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    if args.processes_per_island != 1 and not args.decoupled:
-        print(f"error: --processes-per-island needs --decoupled (got {args.processes_per_island})", file=sys.stderr)
-        return 2
+    for flag, value, default in [("--processes-per-island", args.processes_per_island, 1), ("--spares", args.spares, 0)]:
+        if value != default and not args.decoupled:
+            print(f"error: {flag} needs --decoupled (got {value})", file=sys.stderr)
+            return 2
     if args.decoupled:
         return _decoupled(args, flags)
     elastic = _elastic(flags)
@@ -329,6 +333,7 @@ def _decoupled(args: argparse.Namespace, flags: list[str]) -> int:
         ("--diloco.num-replicas", replicas, replicas is None or replicas == str(args.num_processes)),
         ("--decoupled.role", flag_value(flags, "--decoupled.role"), flag_value(flags, "--decoupled.role") is None),
         ("--decoupled.island", flag_value(flags, "--decoupled.island"), flag_value(flags, "--decoupled.island") is None),
+        ("--decoupled.standby", "on", "--decoupled.standby" not in flags),
         ("--bandwidth", args.bandwidth, args.bandwidth is None),
         *[(flag, flag_value(flags, flag), flag_value(flags, flag) is None)
           for flag in ("--dist.num-processes", "--dist.process-id", "--dist.coordinator-address")],
@@ -350,12 +355,17 @@ def _decoupled(args: argparse.Namespace, flags: list[str]) -> int:
     if args.processes_per_island < 1:
         print(f"error: --processes-per-island must be >= 1 (got {args.processes_per_island})", file=sys.stderr)
         return 2
+    if args.spares < 0 or args.spares and not args.max_restarts:
+        print(f"error: --spares must be >= 0, and needs --max-restarts >= 1 (a spare taking a lost island's place "
+              f"is its restart; got --spares {args.spares}, --max-restarts {args.max_restarts})", file=sys.stderr)
+        return 2
     from .decoupled import launch_decoupled
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="eqx_diloco_decoupled_"))
     code = launch_decoupled(args.num_processes, flags, module=args.module, log_dir=log_dir, grace_s=args.grace_s,
                             max_restarts=args.max_restarts, rejoin_after_s=args.rejoin_after_s,
-                            processes_per_island=args.processes_per_island, split_cpus=args.cpus == "split")
+                            processes_per_island=args.processes_per_island, split_cpus=args.cpus == "split",
+                            spares=args.spares)
     if args.log_dir is None and code == 0:
         shutil.rmtree(log_dir, ignore_errors=True)
     elif code != 0:
