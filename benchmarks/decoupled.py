@@ -50,7 +50,11 @@ Scenarios:
      loss and at the rejoin (its `stalled_s` events);
    - seconds from each kill to the killed island's next step line;
    - wall time and final eval loss.
-5. **long_steps**: the failures scenario for the decoupled modes at `LONG_STEP_BATCH` sequences per
+5. **failures_paced**: the failures scenario with every island paced (`$EQX_DILOCO_STEP_PERIODS`, one
+   period of `PACE_FACTOR` median steps for all, synchronous runs included), for `decoupled-no-wait`
+   with and without spares and `elastic`: each island has CPU to spare between its steps, as on
+   hardware of its own, so neither a restart nor a spare warming up takes CPU from the survivors.
+6. **long_steps**: the failures scenario for the decoupled modes at `LONG_STEP_BATCH` sequences per
    island step (`LONG_STEP_STEPS` steps): a step of several hundred ms, against which the jitter of 4
    islands and a syncer sharing 2 cores is small, so what a kill itself costs the survivors shows.
 
@@ -89,7 +93,7 @@ BATCH, SEQ_LEN = 8, 128
 LONG_STEP_BATCH, LONG_STEP_STEPS = 48, 200
 KILL_EVERY_S = 25.0
 MAX_KILLS = 3
-SPARES = 1
+SPARES = 2  # kills come in bursts (exponential gaps) and a spare needs seconds to start on these shared cores
 NO_SPARE = "-no-spare"  # a decoupled mode's suffix: its killed islands restart from scratch
 TARGET_FACTOR = 1.05
 PACE_FACTOR = 2.0  # the paced scenario's fast islands step once per this many median steps (of the equal runs)
@@ -325,12 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spares", type=int, default=SPARES,
                         help="the launcher's --spares in the failure scenarios' decoupled runs (not those named "
                              f"...{NO_SPARE})")
-    parser.add_argument("--scenarios", default="equal,equal_no_wait,slow,paced,speeds_no_wait,failures,long_steps",
+    parser.add_argument("--scenarios",
+                        default="equal,equal_no_wait,slow,paced,speeds_no_wait,failures,failures_paced,long_steps",
                         help="which to run (comma-separated; equal implies slow and paced); the others are kept from "
                              "--out-dir's decoupled.json")
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
-    known = ["equal", "equal_no_wait", "slow", "paced", "speeds_no_wait", "failures", "long_steps"]
+    known = ["equal", "equal_no_wait", "slow", "paced", "speeds_no_wait", "failures", "failures_paced", "long_steps"]
     if not scenarios <= set(known):
         parser.error(f"--scenarios takes {', '.join(known)} (got {args.scenarios})")
     if "equal" in scenarios:
@@ -366,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in scenarios - {"speeds_no_wait"}:  # measured again below
         for key in {"equal": ["equal"], "equal_no_wait": ["equal_no_wait"], "slow": ["slow"], "paced": ["paced"],
                     "failures": ["failure_free", "failures"],
+                    "failures_paced": ["failures_paced_free", "failures_paced"],
                     "long_steps": ["long_steps_free", "long_steps"]}[scenario]:
             result.pop(key, None)
     if "equal" in scenarios:
@@ -382,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after each scenario: a run that fails later keeps what was measured
         out_dir.mkdir(parents=True, exist_ok=True)
         slim = json.loads(json.dumps(common.jsonable(result)))
-        for scenario in ("equal", "equal_no_wait", "slow", "paced", "failure_free", "failures", "long_steps_free",
-                         "long_steps"):
+        for scenario in ("equal", "equal_no_wait", "slow", "paced", "failure_free", "failures", "failures_paced_free",
+                         "failures_paced", "long_steps_free", "long_steps"):
             for runs in slim.get(scenario, {}).values():
                 for r in runs:
                     r.pop("step_times", None)
@@ -423,10 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         result["revisions"][f"{scenario}_no_wait"] = revision
         save()
 
-    def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int) -> None:
+    def failures(free_key: str, key: str, kinds: tuple[str, ...], steps: int, batch: int, **knobs) -> None:
         result[f"{key}_kill_every_s"], result[f"{key}_max_kills"] = args.kill_every_s, args.max_kills
         result[f"{key}_spares"] = args.spares
-        result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch, spares=args.spares)
+        result[free_key] = {kind: [run(kind, s, steps=steps, batch=batch, spares=args.spares, **knobs)
                                    for s in range(pinned["failure_seeds"])]
                             for kind in ["sync" if k == "elastic" else k for k in kinds]}
         save()
@@ -435,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = []
             for s in range(pinned["failure_seeds"]):
                 r = run(kind, s, steps=steps, kills=kill_schedule(s, args.kill_every_s, args.max_kills), kill_seed=s,
-                        batch=batch, spares=args.spares)
+                        batch=batch, spares=args.spares, **knobs)
                 reference = result[free_key]["sync" if kind == "elastic" else kind][s]
                 rate = r["tokens_merged"] / (r["wall_s"] - r["first_step_s"])
                 base = reference["tokens_merged"] / (reference["wall_s"] - reference["first_step_s"])
@@ -454,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         result["failure_steps"] = pinned["failure_steps"]
         failures("failure_free", "failures", ("decoupled", "decoupled-no-wait", f"decoupled-no-wait{NO_SPARE}", "elastic"),
                  pinned["failure_steps"], BATCH)
+    if pinned["failure_seeds"] and "failures_paced" in scenarios:
+        # Every island on one pace (the paced scenario's fast one): each has CPU to spare between its steps,
+        # as islands on hardware of their own do, so a restart or a spare warming up does not slow the others.
+        result["revisions"]["failures_paced"] = revision
+        result["failures_paced_pace_s"] = pace = PACE_FACTOR * result["median_step_s"]
+        failures("failures_paced_free", "failures_paced", ("decoupled-no-wait", f"decoupled-no-wait{NO_SPARE}", "elastic"),
+                 pinned["failure_steps"], BATCH, periods={k: pace for k in range(ISLANDS)})
     if pinned["failure_seeds"] and "long_steps" in scenarios:
         result["revisions"]["long_steps"] = revision
         failures("long_steps_free", "long_steps", ("decoupled", "decoupled-no-wait"), LONG_STEP_STEPS, LONG_STEP_BATCH)
@@ -564,6 +577,14 @@ def report(result: dict) -> str:
                   "longest gap over the same stretch of the failure-free run (its windows moved by the difference "
                   "of the runs' first steps): the machine's own step jitter, with no kill.", ""]
         lines += [_failures_table(result["failures"]), ""]
+    if "failures_paced" in result:
+        lines += ["## Islands killed at random, every island paced", "",
+                  f"As above (no waiting mode), every island stepping once per "
+                  f"{result['failures_paced_pace_s'] * 1000:.0f} ms ({PACE_FACTOR:g} median steps of the equal runs, "
+                  "`$EQX_DILOCO_STEP_PERIODS`), in the synchronous runs too: each island has CPU to spare between "
+                  "its steps, as islands on hardware of their own have, so what a kill costs is the killed island's "
+                  "time away, not a restart or a spare warming up on the survivors' cores.", ""]
+        lines += [_failures_table(result["failures_paced"]), ""]
     if "long_steps" in result:
         lines += [f"## Islands killed at random, long steps ({LONG_STEP_BATCH} sequences per island step)", "",
                   f"As above with `--train.batch-size {LONG_STEP_BATCH}` and {LONG_STEP_STEPS} steps per island (kills "

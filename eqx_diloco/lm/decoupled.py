@@ -5,7 +5,8 @@
 Every process runs `python -m eqx_diloco.train <flags>` with `--decoupled.role syncer` or
 `--decoupled.role island --decoupled.island K`, the syncer's address and `--diloco.num-replicas N`.
 Islands share no JAX runtime: an island that dies is restarted (up to `--max-restarts` times, after
-`--rejoin-after-s`) while the others train on, and joins again from the current theta_g; a syncer that
+`--rejoin-after-s`) while the others train on, and joins again from the current theta_g (with
+`--spares N`, a standby island already started and compiled takes its place: `--decoupled.standby`); a syncer that
 dies is restarted on the same port from its newest checkpoint while the islands retry. The shared
 secret is `$EQX_DILOCO_SYNCER_TOKEN` if set, else a fresh random one, passed to the processes in their
 environment (never on a command line, which other users of the machine can read). When every island
