@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every-s", type=float, default=KILL_EVERY_S,
                         help="mean seconds between kills in the failures and long_steps scenarios")
     parser.add_argument("--max-kills", type=int, default=MAX_KILLS, help="kills per run in those scenarios")
+    parser.add_argument("--failure-seeds", type=int, default=None,
+                        help="seeds of each failure scenario (default: the mode's)")
     parser.add_argument("--spares", type=int, default=SPARES,
                         help="the launcher's --spares in the failure scenarios' decoupled runs (not those named "
                              f"...{NO_SPARE})")
@@ -341,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     if "equal" in scenarios:
         scenarios |= {"slow", "paced"}  # their target loss and step times come from the equal runs
     mode = args.mode or "quick"
-    pinned = MODES[mode]
+    pinned = dict(MODES[mode])
+    if args.failure_seeds is not None:
+        pinned["failure_seeds"] = args.failure_seeds
     out_dir = args.out_dir or common.default_out_dir("decoupled", mode)
     work = args.work_dir or pathlib.Path(tempfile.mkdtemp(prefix="eqx_diloco_decoupled_bench_"))
     cache = work / "jax_cache"
