@@ -707,6 +707,28 @@ def test_one_dead_process_takes_its_island_down_and_the_island_restarts_whole(tm
     assert next(s["cpus"] for s in starts if s["role"] == "syncer") == sorted(os.sched_getaffinity(0))
 
 
+@pytest.mark.slow  # one trainer process: start-up and a compile
+def test_a_standby_trainer_compiles_then_stops_in_one_line_when_no_island_comes(tmp_path):
+    """`python -m eqx_diloco.train --decoupled.standby` with nothing on its standard input (the launcher
+    gone): it gets through its warm-up (the step run once, no syncer needed) to the wait, then exits 1
+    with one line; no island folder is written."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "eqx_diloco.train", "--decoupled.role", "island", "--decoupled.standby",
+           "--decoupled.syncer", "127.0.0.1:9", "--run-dir", str(run), "--data.source", "synthetic",
+           "--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.batch-size", "2",
+           "--train.seq-len", "16"]
+    proc = subprocess.run(cmd, env=dict(os.environ, EQX_DILOCO_SYNCER_TOKEN=TOKEN), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "standby island: its standard input closed before it was given an island to become" in last
+    assert not list(run.glob("island-*"))
+
+
 @pytest.mark.slow  # stand-in processes, no JAX program: a few seconds
 def test_a_spare_takes_a_lost_islands_place_and_a_new_spare_starts_behind_it(tmp_path):
     """`--spares 1` with islands of 2 processes and a stand-in trainer: island 1's process 1 fails at its
