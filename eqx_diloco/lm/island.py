@@ -174,9 +174,10 @@ def run_island(config: Config) -> int:
             client=client, island=k, quantize=d.quantize, error_feedback=error_feedback_argument(d))
 
     if dc.standby:
-        # Everything a start compiles, now: the step (run once on copies, so its program is this
-        # process's, not only the cache's) and the encoders.
-        copies = jax.device_put(jax.tree.map(np.asarray, params), shardings)
+        # Everything a start compiles, now: the step (run once on copies laid out as a join places the
+        # parameters, so its program is this process's, not only the cache's) and the encoders.
+        copies = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+                              jax.tree.map(np.asarray, params), shardings)
         batch = place_batch(_batches(config, tokens, 0).batch(0)[0], batch_sharding)
         float(step_fn(copies, _fresh_opt_state(optimizer, copies, 0, batch_sharding.mesh), batch,
                       jax.random.key(t.seed))[2])
