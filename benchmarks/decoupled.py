@@ -510,6 +510,16 @@ def _failures_table(runs_by_kind: dict) -> str:
                    "final eval loss"], rows)
 
 
+def _goodput_summary(runs_by_kind: dict) -> list[str]:
+    """Per mode with more than one seed: its time-based goodput, mean +- sd over the seeds."""
+    parts = [f"{kind} {common.fmt_pm(common.mean_sd(r['goodput_time'] for r in runs), '.3f')}"
+             for kind, runs in runs_by_kind.items() if len(runs) > 1]
+    if not parts:
+        return []
+    seeds = max(len(runs) for runs in runs_by_kind.values())
+    return [f"Goodput, time, mean +- sd over {seeds} seeds: " + "; ".join(parts) + ".", ""]
+
+
 def report(result: dict) -> str:
     ms = common.mean_sd
     equal = result["equal"]
@@ -580,7 +590,7 @@ def report(result: dict) -> str:
                   "finished); beside it the same islands' "
                   "longest gap over the same stretch of the failure-free run (its windows moved by the difference "
                   "of the runs' first steps): the machine's own step jitter, with no kill.", ""]
-        lines += [_failures_table(result["failures"]), ""]
+        lines += [_failures_table(result["failures"]), "", *_goodput_summary(result["failures"])]
     if "failures_paced" in result:
         lines += ["## Islands killed at random, every island paced", "",
                   f"As above (no waiting mode), every island stepping once per "
@@ -588,14 +598,14 @@ def report(result: dict) -> str:
                   "`$EQX_DILOCO_STEP_PERIODS`), in the synchronous runs too: each island has CPU to spare between "
                   "its steps, as islands on hardware of their own have, so what a kill costs is the killed island's "
                   "time away, not a restart or a spare warming up on the survivors' cores.", ""]
-        lines += [_failures_table(result["failures_paced"]), ""]
+        lines += [_failures_table(result["failures_paced"]), "", *_goodput_summary(result["failures_paced"])]
     if "long_steps" in result:
         lines += [f"## Islands killed at random, long steps ({LONG_STEP_BATCH} sequences per island step)", "",
                   f"As above with `--train.batch-size {LONG_STEP_BATCH}` and {LONG_STEP_STEPS} steps per island (kills "
                   f"at a mean gap of {result.get('long_steps_kill_every_s', KILL_EVERY_S):g} s), the "
                   "decoupled modes only: with a step of several hundred ms, the 4 islands and the syncer sharing "
                   "this machine's cores add little jitter to a step, so a stall that a kill caused would show.", ""]
-        lines += [_failures_table(result["long_steps"]), ""]
+        lines += [_failures_table(result["long_steps"]), "", *_goodput_summary(result["long_steps"])]
     m = result["machine"]
     revisions = ", ".join(f"{k}: {v}" for k, v in result.get("revisions", {}).items())
     lines += [f"{m['cpu_count']} CPUs, {m['platform']}, Python {m['python']}, JAX {m['jax']}; code revisions "

@@ -154,6 +154,10 @@ def test_decoupled_benchmark_gives_spares_to_its_decoupled_failure_runs_but_not_
     run = {"kills": [{"island": 1, "wall_s": 10.0}, {"island": 0, "wall_s": 20.0}],
            "step_times": {0: [19.0, 19.5], 1: [9.5, 12.5, 13.0]}}
     assert decoupled.back_after(run) == [2.5, None]
+    summary = decoupled._goodput_summary({"decoupled-no-wait": [{"goodput_time": 0.9}, {"goodput_time": 1.0}],
+                                          "elastic": [{"goodput_time": 0.4}]})
+    assert summary[0] == "Goodput, time, mean +- sd over 2 seeds: decoupled-no-wait 0.950 +- 0.071."
+    assert decoupled._goodput_summary({"elastic": [{"goodput_time": 0.4}]}) == []  # one seed: no spread to give
 
 
 def test_decoupled_kill_gaps_take_the_survivors_and_the_same_stretch_of_the_failure_free_run():
