@@ -140,12 +140,13 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
     env.setdefault(TOKEN_ENV, secrets.token_hex(16))
     syncer = _Role("syncer", [*flags, "--decoupled.role", "syncer"], log_dir / "syncer.log", env, max_restarts)
     shares = cpu_shares(num_islands * processes_per_island) if split_cpus else None
+
+    def share(k: int) -> list[list[int]] | None:  # island k's processes' CPUs
+        return shares[k * processes_per_island:(k + 1) * processes_per_island] if shares else None
+
     islands = [_Role(f"island {k}", [*flags, "--decoupled.role", "island", "--decoupled.island", str(k)],
-                     log_dir / f"island-{k}.log", env, max_restarts, processes_per_island,
-                     shares[k * processes_per_island:(k + 1) * processes_per_island] if shares else None)
+                     log_dir / f"island-{k}.log", env, max_restarts, processes_per_island, share(k), island=k)
                for k in range(num_islands)]
-    for k, role in enumerate(islands):
-        role.island = k
     started_spares = 0
 
     def new_spare() -> _Role:
@@ -153,8 +154,7 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
         j, k = started_spares, started_spares % num_islands  # spare j starts on island k's share of the CPUs
         started_spares += 1
         spare = _Role(f"spare {j}", [*flags, "--decoupled.role", "island", "--decoupled.standby"],
-                      log_dir / f"spare-{j}.log", env, 0, processes_per_island,
-                      shares[k * processes_per_island:(k + 1) * processes_per_island] if shares else None, standby=True)
+                      log_dir / f"spare-{j}.log", env, 0, processes_per_island, share(k), standby=True)
         spare.start(module)
         return spare
 
