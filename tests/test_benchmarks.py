@@ -317,3 +317,38 @@ def test_psum_floor_smoke(tmp_path):
     assert "| each pinned to a core of its own | 3 |" in (tmp_path / "psum_floor.md").read_text()
     with pytest.raises(SystemExit):
         psum_floor.main(["--calls", "0"])
+
+
+def test_sync_breakdown_pairs_the_processes_syncs_in_order():
+    from benchmarks import sync_step
+
+    # Process 1 finished its inner step 3 ms after process 0 at the first sync, 1 ms before it at the
+    # second; process 0 has one sync more (a run cut short): only the syncs both have are paired.
+    p0 = [{"inner_done": 10.000, "sync_done": 10.008}, {"inner_done": 20.000, "sync_done": 20.005},
+          {"inner_done": 30.0, "sync_done": 30.1}]
+    p1 = [{"inner_done": 10.003, "sync_done": 10.009}, {"inner_done": 19.999, "sync_done": 20.004}]
+    got = sync_step.sync_breakdown([p0, p1])
+    assert np.allclose(got["inner_steps_apart_ms"], [3.0, 1.0])
+    assert np.allclose(got["sync_after_later_inner_ms"], [5.0, 6.0, 5.0, 4.0])
+    took, synced = [1.0, 2.0, 1.0, 1.0, 4.0], [False, True, False, False, True]
+    summary = sync_step.summarize([(took, synced)], [got])
+    assert summary["sync_step_x"] == {"median": 3.0, "p90": 3.8, "max": 4.0}
+    assert summary["other_step_x"]["max"] == 1.0 and summary["syncs_probed"] == 2
+    assert summary["median_step_ms"]["mean"] == 1000.0 and np.isclose(summary["inner_steps_apart_ms"]["max"], 3.0)
+
+
+@pytest.mark.slow  # two 2-process runs of the trainer
+def test_sync_step_smoke(tmp_path):
+    from benchmarks import sync_step
+
+    argv = ["--repeats", "1", "--steps", "8", "--sync-period", "4", "--cpus", "split", "--no-warm-up",
+            "--out-dir", str(tmp_path)]
+    assert sync_step.main(argv) == 0
+    saved = json.loads((tmp_path / "sync_step.json").read_text())
+    (setting,) = saved["settings"].values()
+    assert setting["runs"] == 1 and setting["syncs_probed"] == 2  # after steps 4 and 8
+    for key in ("sync_step_x", "inner_steps_apart_ms", "sync_after_later_inner_ms"):
+        assert 0 <= setting[key]["median"] <= setting[key]["p90"] <= setting[key]["max"] and finite(setting[key]["max"])
+    assert "| each process on a core of its own (split) | 1 |" in (tmp_path / "sync_step.md").read_text()
+    with pytest.raises(SystemExit):
+        sync_step.main(["--steps", "4", "--sync-period", "4"])
