@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                         help="a python with torch and torchft (default $PEER_PYTHON)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here (and the table beside it, .md)")
     parser.add_argument("--cold", action="store_true",
                         help="after each pair, run eqx_diloco once more with an empty compilation cache (cold)")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
@@ -263,6 +263,7 @@ def main(argv=None) -> int:
     if args.json:
         common.write_json(args.json, {"revision": common.revision(), "steps": STEPS, "timed_after_step": SKIP,
                                       "warm_up": args.warm_up, "cold": args.cold, "configs": summary})
+        common.write_text(args.json.with_suffix(".md"), render(summary) + "\n")  # the table, with each run's times
     print(render(summary))
     return 0
 
