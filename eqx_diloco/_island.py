@@ -87,7 +87,7 @@ class Island:
         self.client, self.island, self.fmt, self.error_feedback = client, island, quantize, bool(error_feedback)
         self.ef_decay = error_feedback_decay(error_feedback)
         self.num_fragments = num_fragments
-        self.sizes = [v.size for v in fragment_vectors(params, self.fragmenter)]
+        self.sizes = [sum(v.size for v in self.fragmenter.get(params, f)) for f in range(num_fragments)]  # no host copy
         self.versions = [0] * num_fragments
         self.base: list[np.ndarray] = []
         self.residuals = [np.zeros(n, np.float32) for n in self.sizes]
