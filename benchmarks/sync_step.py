@@ -14,7 +14,7 @@ the default) and both on every core (`--cpus shared`). Per setting and repeat, t
 
 Before the repeats each setting runs once untimed, so every run finds its programs cached.
 
-    python -m benchmarks.sync_step   # writes benchmarks/results/sync_step.{json,md}; about 2 minutes
+    python -m benchmarks.sync_step --out-dir benchmarks/results   # sync_step.{json,md}; about a minute
 """
 
 from __future__ import annotations
@@ -127,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", nargs="+", choices=SETTINGS, default=list(SETTINGS), help="the launcher's CPU settings to run")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="do not run each setting once untimed first (the first runs may compile)")
-    parser.add_argument("--out-dir", type=Path, default=common.RESULTS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where to write sync_step.{json,md} (default runs/benchmarks/sync_step_default)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.sync_period < 1 or args.steps < 2 * args.sync_period:
         parser.error(f"--repeats and --sync-period must be >= 1 and --steps >= 2 x --sync-period "
                      f"(got {args.repeats}, {args.sync_period}, {args.steps})")
     if not CORPUS.is_dir():
         parser.error(f"the text the runs train on is missing: {CORPUS} (Debian's license texts)")
+    out_dir = args.out_dir or common.default_out_dir("sync_step", "default")
     flags = trainer_flags(args.steps, args.sync_period, CORPUS)
     plain: dict[str, list] = {s: [] for s in args.cpus}
     probed: dict[str, list] = {s: [] for s in args.cpus}
@@ -156,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"revision": common.revision(), "machine": common.machine_info(), "steps": args.steps,
               "sync_period": args.sync_period,
               "warm_up": args.warm_up, "settings": {s: summarize(plain[s], probed[s]) for s in args.cpus}}
-    common.write_json(args.out_dir / "sync_step.json", result)
-    common.write_text(args.out_dir / "sync_step.md", render(result))
+    common.write_json(out_dir / "sync_step.json", result)
+    common.write_text(out_dir / "sync_step.md", render(result))
     print(render(result))
     return 0
 

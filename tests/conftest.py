@@ -7,9 +7,9 @@ from pathlib import Path
 import jax
 
 # Tests check values, not speed: XLA's CPU backend without LLVM optimization, and with its older
-# (non-MLIR) fusion emitters, compiles the many small test programs faster (the first about a sixth
-# off the fast tier; the second a fifth off a cold trainer process's CPU time, measured with the first
-# on). Set before the backend starts; subprocesses inherit them.
+# (non-MLIR) fusion emitters, compiles the many small test programs faster (the first took about a
+# sixth off the fast tier; the second then over a third of its CPU time, and a fifth of the full
+# suite's: benchmarks/results/test_suite.txt). Set before the backend starts; subprocesses inherit them.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
                                     "--xla_cpu_use_fusion_emitters=false"]).strip()
 # Simulated CPU devices for the ("diloco", "data") mesh; must be set before JAX starts.
