@@ -273,6 +273,29 @@ def test_vs_torchft_says_when_torchft_is_missing_and_computes_its_ratios(tmp_pat
     (tmp_path / "metrics_r0.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     spread = vs_torchft.torchft_step_spread(tmp_path / "metrics_r0.jsonl")
     assert spread == pytest.approx({"median_step_s": 0.1, "slowest_sync_step_x": 3.0, "slowest_other_step_x": 2.5})
+
+
+def test_vs_torchft_writes_its_table_beside_its_json(tmp_path, monkeypatch):
+    from benchmarks import vs_torchft
+
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text")
+    pair = {"torchft": {"wall_s": 5.0, "start_to_step_1_s": 4.0, "tokens_per_s_per_replica": 100.0},
+            "eqx_diloco": {"wall_s": 4.0, "start_to_step_1_s": 2.0, "tokens_per_s_per_replica": 120.0},
+            "load_average": (1.0, 1.0, 1.0)}
+    monkeypatch.setattr(vs_torchft, "CORPUS", corpus)
+    monkeypatch.setattr(vs_torchft, "torchft_missing", lambda python: None)
+    monkeypatch.setattr(vs_torchft, "run_pair", lambda *args, **kwargs: copy.deepcopy(pair))
+    monkeypatch.setattr(vs_torchft.common, "revision", lambda: "0" * 40)  # git is a process
+    out = tmp_path / "results" / "vs.json"
+    assert vs_torchft.main(["--torch-python", "py", "--repeats", "2", "--only", "diloco", "--no-warm-up",
+                            "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["configs"]["diloco"]["wall_ratio"]["values"] == [0.8, 0.8]
+    table = out.with_suffix(".md").read_text()
+    assert table == vs_torchft.render({"diloco": vs_torchft.summarize([pair, pair])}) + "\n"
+    assert "| diloco | 5.0, 5.0 | 4.0, 4.0 | 0.80 +- 0.00 |" in table
     pairs[0]["torchft"].update(spread)
     assert "| 3.0x, 2.5x | 0.0x, 0.0x |" in vs_torchft.render({"diloco": vs_torchft.summarize(pairs)})
 
