@@ -46,6 +46,7 @@ def trainer_flags(steps: int, sync_period: int, corpus: Path) -> list[str]:
 
 
 def launch(setting: str, flags: list[str], run_dir: Path, *, probe_dir: Path | None = None) -> None:
+    """One 2-process run with the launcher's `--cpus setting`; probed (`_sync_probe`) into `probe_dir` if given."""
     module = "benchmarks._sync_probe" if probe_dir else "eqx_diloco.train"
     cmd = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--cpus", setting, "--module", module,
            "--", *flags, "--run-dir", str(run_dir)]
