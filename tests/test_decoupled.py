@@ -584,7 +584,7 @@ def test_a_standby_island_becomes_the_island_it_is_given_on_the_cpus_it_is_given
     import json
     import os
 
-    from eqx_diloco.lm._processes import keep_to_cpus
+    from eqx_diloco.lm._compile_cpus import keep_to_cpus
     from eqx_diloco.lm.island import await_assignment
 
     cpus = sorted(os.sched_getaffinity(0))

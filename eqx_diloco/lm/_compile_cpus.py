@@ -20,11 +20,16 @@ COMPILE_CPUS_ENV = "EQX_DILOCO_COMPILE_CPUS"
 _share: set[int] | None = None  # the process's own CPUs while it is widened (affinity is per process)
 
 
-def _pin_every_thread(cpus: set[int]) -> None:
+def keep_to_cpus(cpus: set[int] | list[int]) -> None:
+    """Move every thread of this process (XLA's pools included, already started) to `cpus`: start-up's
+    widening and narrowing here, and a standby island taking a lost island's share of the CPUs. A no-op
+    where this platform has no per-thread CPU affinity."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
-        except (OSError, ValueError):  # a thread that ended meanwhile
+        except ProcessLookupError:  # a thread that ended meanwhile
             pass
 
 
@@ -45,7 +50,7 @@ def widen_for_compiles() -> bool:
     if not cpus or cpus <= share:
         return False
     _share = share
-    _pin_every_thread(cpus)
+    keep_to_cpus(cpus)
     return True
 
 
@@ -53,5 +58,5 @@ def narrow_to_share() -> None:
     """Put every thread of this process back on the CPUs it had before `widen_for_compiles` (if widened)."""
     global _share
     if _share:
-        _pin_every_thread(_share)
+        keep_to_cpus(_share)
     _share = None

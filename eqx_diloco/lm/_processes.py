@@ -181,20 +181,6 @@ def cpu_shares(num_processes: int) -> list[list[int]] | None:
     return [cpus[bounds[i]:bounds[i + 1]] for i in range(num_processes)]
 
 
-def keep_to_cpus(cpus: list[int]) -> None:
-    """Move every thread of this process (XLA's pools included, already started) to `cpus`, as the
-    launcher pins a process it starts: a standby island takes a lost island's share of the CPUs. A
-    no-op where this platform has no per-thread CPU affinity."""
-    tasks = Path("/proc/self/task")
-    if not hasattr(os, "sched_setaffinity") or not tasks.is_dir():
-        return
-    for tid in tasks.iterdir():
-        try:
-            os.sched_setaffinity(int(tid.name), cpus)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            pass
-
-
 def _pinned(preexec: Callable[[], None] | None, cpus: list[int] | None) -> Callable[[], None] | None:
     """`preexec`, then (in the child, before it starts a thread) keep it on `cpus`."""
     if cpus is None:

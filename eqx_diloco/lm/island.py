@@ -34,10 +34,10 @@ from .._island import Island, adaptive_sync_period
 from .._island_group import IslandGroup
 from .._mesh import INNER
 from .._rpc import TOKEN_ENV, SyncerClient, SyncerUnreachable, SyncRefused
+from ._compile_cpus import keep_to_cpus
 from ._core import lm_objective, new_model, transformer_specs
 from ._core import place as place_batch
 from ._env_hooks import island_speed
-from ._processes import keep_to_cpus
 from .config import Config, ConfigError, error_feedback_argument
 from .data import TokenBatches, load_tokens
 from .metrics import MetricsLog
