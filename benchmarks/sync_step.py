@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks import _common as common
 from benchmarks._sync_probe import PROBE_DIR_ENV
-from benchmarks.vs_torchft import CONFIGS, CORPUS, EQX_FLAGS
+from benchmarks.vs_torchft import CONFIGS, CORPUS, EQX_FLAGS, eqx_step_times
 
 SETTINGS = ("split", "shared")
 
@@ -57,14 +57,6 @@ def launch(setting: str, flags: list[str], run_dir: Path, *, probe_dir: Path | N
     if done.returncode != 0:
         raise SystemExit(f"error: the {setting} run{' (probed)' if probe_dir else ''} failed (exit "
                          f"{done.returncode}):\n{done.stderr[-2000:]}")
-
-
-def step_times(metrics: Path) -> tuple[list[float], list[bool]]:
-    """Process 0's step times after step 1 (seconds, from its metrics timestamps) and whether each synced."""
-    records = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r and "time" in r}
-    steps = [t for t in sorted(records) if t - 1 in records and t >= 2]
-    return ([records[t]["time"] - records[t - 1]["time"] for t in steps],
-            [records[t].get("synced_fragment") is not None for t in steps])
 
 
 def sync_breakdown(processes: list[list[dict]]) -> dict[str, list[float]]:
@@ -149,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             for setting in args.cpus:
                 run = work / f"{setting}-{repeat}"
                 launch(setting, flags, run)
-                plain[setting].append(step_times(run / "metrics.jsonl"))
+                plain[setting].append(eqx_step_times(run / "metrics.jsonl"))
                 probes = work / f"{setting}-{repeat}-probes"
                 launch(setting, flags, work / f"{setting}-{repeat}-probed", probe_dir=probes)
                 lines = [[json.loads(x) for x in (probes / f"process-{k}.jsonl").read_text().splitlines()]

@@ -98,13 +98,18 @@ def step_spread(took: list[float], synced: list[bool]) -> dict:
             "slowest_other_step_x": slowest[False] / median}
 
 
+def eqx_step_times(metrics: Path) -> tuple[list[float], list[bool]]:
+    """eqx_diloco's step times after step 1 (seconds, from the metrics' timestamps; log-every 1) and
+    whether each step synced."""
+    by_step = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines()) if "time" in r and "loss" in r}
+    steps = [t for t in sorted(by_step) if t >= 2 and t - 1 in by_step]
+    return ([by_step[t]["time"] - by_step[t - 1]["time"] for t in steps],
+            [by_step[t].get("synced_fragment") is not None for t in steps])
+
+
 def eqx_step_spread(metrics: Path) -> dict:
-    """`step_spread` of eqx_diloco's steps after step 1, from the metrics' timestamps (log-every 1)."""
-    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "time" in r and "loss" in r]
-    by_step = {r["step"]: r for r in records}
-    steps = [t for t in range(2, STEPS + 1) if t in by_step and t - 1 in by_step]
-    return step_spread([by_step[t]["time"] - by_step[t - 1]["time"] for t in steps],
-                       [by_step[t].get("synced_fragment") is not None for t in steps])
+    """`step_spread` of eqx_diloco's steps after step 1 (`eqx_step_times`)."""
+    return step_spread(*eqx_step_times(metrics))
 
 
 def torchft_step_spread(metrics: Path) -> dict:
