@@ -27,6 +27,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Several workers (and their subprocesses) share that folder and often compile one program at once.
+from eqx_diloco.lm._cache import write_entries_atomically  # noqa: E402
+
+assert write_entries_atomically(), "this JAX's persistent cache is not the one eqx_diloco's cache writer expects"
 
 # A cluster manager's variables (a CI job started by srun or mpirun) would make every trainer run in these
 # tests join that job; tests/cluster_jobs.py sets them where a test means to.

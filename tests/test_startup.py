@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import equinox as eqx
@@ -17,7 +18,7 @@ import pytest
 
 from eqx_diloco.lm._banner import describe_setup, finished_message, format_summary, model_size
 from eqx_diloco.lm._cache import (default_cache_dir, enable_compilation_cache, every_process_writes,
-                                  let_every_process_write)
+                                  let_every_process_write, write_entries_atomically)
 from eqx_diloco.lm.config import Config, DiLoCoConfig, MeshConfig
 from eqx_diloco.lm.export import main as export_main
 from eqx_diloco.lm.train import main as train_main
@@ -156,6 +157,34 @@ def test_cache_off_changes_nothing():
     before = jax.config.jax_compilation_cache_dir
     assert enable_compilation_cache(Config(compile_cache=False)) is None
     assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_a_reader_of_the_cache_finds_no_entry_or_the_whole_one(tmp_path):
+    # JAX alone writes an entry in place: a reader polling for it got a truncated entry on every one of
+    # 8 keys of 32 MB here. With the entries renamed into place, every read is whole.
+    from jax._src import lru_cache
+
+    assert write_entries_atomically()
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    value = os.urandom(32 << 20)
+    keys = [f"key{i}" for i in range(8)]
+    read_sizes = []
+
+    def read_each_key_once_it_appears():
+        for key in keys:
+            while (entry := cache.get(key)) is None:
+                pass
+            read_sizes.append(len(entry))
+
+    reader = threading.Thread(target=read_each_key_once_it_appears)
+    reader.start()
+    for key in keys:
+        cache.put(key, value)
+    reader.join(timeout=60)
+    assert read_sizes == [len(value)] * len(keys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{key}-cache" for key in keys)  # no temporaries
+    cache.put(keys[0], b"other")  # the first entry of a key stays, as with JAX's own writer
+    assert cache.get(keys[0]) == value
 
 
 def _fresh_python(code: str, env: dict) -> subprocess.CompletedProcess:

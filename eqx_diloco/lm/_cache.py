@@ -14,13 +14,18 @@ on CPU a key includes the process's own devices. There a program of several proc
 key where their hosts compile alike, and its lowest process compiles it for all of them
 (`_compile_share`); a program of one process's own devices keeps a key of its own, so every
 process writes its own entries (their keys differ, so no two processes write one file).
+
+Two runs that share the folder (two runs of one config started together, a test session's workers)
+may still write and read one key at once: `write_entries_atomically` makes every entry appear whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
+import uuid
 import warnings
 from pathlib import Path
 
@@ -49,6 +54,7 @@ def enable_compilation_cache(config) -> Path | None:
         print(f"warning: compilation cache off: cannot create {folder}: {e.strerror}", file=sys.stderr)
         folder = None
     if folder is not None:
+        write_entries_atomically()
         jax.config.update("jax_compilation_cache_dir", str(folder))
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
             # Cache every program, not only those over JAX's default 1 s of compile time (unless the user
@@ -110,4 +116,50 @@ def let_every_process_write() -> bool:
     write.every_process = True
     write.jax_writer = original
     compiler._cache_write = write
+    return True
+
+
+def write_entries_atomically() -> bool:
+    """Make JAX's persistent cache publish each entry whole, for every process that reads the folder.
+
+    Without a size limit, JAX writes an entry in place: another process that reads the same key
+    meanwhile gets a truncated entry, warns and compiles again. Here an entry is written to a
+    temporary file beside it and renamed over its name (atomic on a local filesystem), so a reader
+    finds no entry or the whole one. Left to JAX: a cache with a size limit (JAX's own file lock
+    then orders reads and writes) and a cache that is not on a local filesystem. Returns False,
+    changing nothing, when this JAX's cache is not the one expected.
+    """
+    try:
+        from jax._src import lru_cache
+    except ImportError:
+        return False
+    cache_class = getattr(lru_cache, "LRUCache", None)
+    original = getattr(cache_class, "put", None)
+    suffix = getattr(lru_cache, "_CACHE_SUFFIX", None)
+    if original is None or suffix is None or list(inspect.signature(original).parameters) != ["self", "key", "value"]:
+        return False
+    if getattr(original, "atomic", False):
+        return True
+
+    def put(self, key: str, value: bytes) -> None:
+        folder = str(self.path)
+        if getattr(self, "eviction_enabled", True) or not key or "://" in folder:
+            return original(self, key, value)
+        target = os.path.join(folder, f"{key}{suffix}")
+        if os.path.exists(target):
+            return None  # as JAX does: the first entry of a key stays
+        # A name of this writer's own (a dot first, so it never looks like an entry); created with
+        # the mode JAX's own write gives (0o666 less the umask), so a shared folder stays readable.
+        temporary = os.path.join(folder, f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+                f.write(value)
+            os.replace(temporary, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+        return None
+
+    put.atomic = True
+    cache_class.put = put
     return True
