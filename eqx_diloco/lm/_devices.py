@@ -44,6 +44,10 @@ def join_processes(config: "Config", layout: "ProcessLayout") -> None:
         guard_stderr(layout.process_id, layout.num_processes, config.dist.heartbeat_timeout_s)
         join(layout.coordinator, layout.num_processes, layout.process_id,
              heartbeat_timeout_s=config.dist.heartbeat_timeout_s, timeout_s=config.dist.init_timeout_s)
+        if jax.default_backend() == "cpu":  # starts JAX's client, and with it gloo's network thread
+            from ._gloo_loop import idle_gloo_loop
+
+            idle_gloo_loop()  # a blocking sync then waits for no timer tick (see _gloo_loop)
 
 
 # What gloo prints with std::cout each time it connects a communicator (twice per run here); no variable
