@@ -6,13 +6,19 @@ one round (or tau steps) in: compiled there, they stall the host while the devic
 and in a multi-process run every other process waits at the collective for this one, so
 the stall lands mid-run, after the warm-up. `jit(f).lower(...).compile()` fills the cache
 that the later call `f(...)` uses, so these functions compile them where waiting is free.
+
+Across processes, a sync's first collective also waits for every process to finish its
+start-up (the first step's program loaded included), and connects them (gloo opens its TCP
+pairs): `connect_sync_processes`, run once step 1 is dispatched, does both, so the first sync
+costs what the others do.
 """
 
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._state import TrainState
 
@@ -65,3 +71,23 @@ def compile_outer_ahead(diloco: "DiLoCo", state: TrainState) -> None:
         launched = fns["launch"].lower(*inputs).compile().output_shardings
         global_values, outer_state, _, residuals = _abstract(jax.eval_shape(fns["launch"], *inputs), launched)
         compile_install_ahead(fns["install"], state, (global_values, outer_state, residuals), outer.mesh)
+
+
+def connect_sync_processes(meshes: list[Mesh | None], compiler_options: dict[str, Any] | None = None) -> None:
+    """In a run of several processes, one psum of an int32 per device over `diloco` on each of `meshes`
+    (None: skipped), waited for: the syncs' own device groups, so their processes are connected, and
+    leave here together (on the compute mesh the psum runs after the steps dispatched before it).
+    Without it the first sync pays for both: the processes reach it as each finished its start-up
+    (tens of milliseconds apart; the faster waits), and gloo connects there."""
+    if jax.process_count() == 1:
+        return
+    for mesh in {id(m): m for m in meshes if m is not None}.values():
+        jax.block_until_ready(_count_over_diloco(mesh, compiler_options))
+
+
+def _count_over_diloco(mesh: Mesh, compiler_options: dict[str, Any] | None) -> jax.Array:
+    """On every device of `mesh`, the number of devices on its `diloco` axis (a psum of ones)."""
+    spec, block = PartitionSpec(*mesh.axis_names), np.ones((1,) * mesh.devices.ndim, np.int32)
+    ones = jax.make_array_from_callback(mesh.devices.shape, NamedSharding(mesh, spec), lambda index: block)
+    psum = jax.shard_map(lambda x: jax.lax.psum(x, "diloco"), mesh=mesh, in_specs=spec, out_specs=spec)
+    return jax.jit(psum, compiler_options=compiler_options)(ones)

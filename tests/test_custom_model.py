@@ -232,3 +232,20 @@ def test_syncs_compiled_ahead_compile_nothing_at_their_first_round(overlap_steps
         assert lowered == [], f"{len(lowered)} programs were lowered after compile_outer_ahead"
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (4, 1, 3, 1)], ids=["diloco-data", "four-axes"])
+def test_the_collective_that_connects_a_syncs_processes_runs_over_diloco_only(shape):
+    """`connect_sync_processes`' psum groups the devices as a sync's own psum over `diloco` does (one
+    process here: the trainer runs it only across processes, where it also waits for the others)."""
+    from jax.sharding import Mesh
+
+    from eqx_diloco._compile_ahead import _count_over_diloco, connect_sync_processes
+    from eqx_diloco._mesh import AXES
+
+    axes = AXES[:len(shape)]
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+    counts = _count_over_diloco(mesh, None)
+    assert counts.shape == shape and counts.sharding.spec == jax.sharding.PartitionSpec(*axes)
+    np.testing.assert_array_equal(np.asarray(counts), np.full(shape, shape[0]))
+    connect_sync_processes([mesh, None, mesh])  # a single process: nothing to connect, nothing run

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import Transformer
 
 from .._checkpoint import Checkpointer, CheckpointSaveError
+from .._compile_ahead import connect_sync_processes
 from .._elastic import REFORM_EXIT_CODE, IslandSnapshots
 from .._errors import NonFiniteError
 from .._mesh import BATCH_SPEC
@@ -71,8 +72,7 @@ class Trainer:
                                     eval_fraction=config.data.eval_fraction, seed=t.seed, split=config.data.split,
                                     islands=self.islands, num_islands=num_islands)
         self.abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
-        self.core = make_diloco(config, self.abstract_model)
-        core = self.core
+        self.core = core = make_diloco(config, self.abstract_model)
         self.mesh, self.comm_mesh = core.mesh, core.comm_mesh
         self.groups, self.router_group, self.group_bytes = core.groups, core.router_group, core.group_bytes
         self.fragmenter = self.groups[0].fragmenter if self.diloco else None
@@ -80,8 +80,7 @@ class Trainer:
         self.inner_step, self.outer = core.inner_step, core.outer
         self.inner_opt, self.outer_opt = core.inner_optimizer, core.outer_optimizer
         self.ddp_step_bytes = core.ddp_step_bytes
-        self.moe = config.model.kind == "moe"
-        self.router_drift = None  # how far routers drifted before a sync (MoE DiLoCo only)
+        self.moe, self.router_drift = config.model.kind == "moe", None  # routers' drift before a sync (MoE DiLoCo)
         if self.moe and self.diloco:
             flags = tuple(jax.tree.leaves(self.abstract_model.router_mask()))
             self.router_drift = jax.jit(lambda state: router_drift(state.params, flags))
@@ -251,6 +250,7 @@ class Trainer:
                 report.note = f"compiled the step programs in {time.perf_counter() - compile_start:.1f} s"
                 mark("first step compiled and dispatched")
                 narrow_to_share()  # start-up's compiles done: back to the launcher's share of the CPUs
+                connect_sync_processes([self.mesh, self.comm_mesh] if self.diloco else [], self.core.sync_compiler_options)
             if metrics["synced_fragment"] is not None:
                 mark("first sync dispatched")
             boundary = self.elastic and self.core.settled and (
