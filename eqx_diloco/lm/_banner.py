@@ -144,10 +144,11 @@ def runtime_lines(config) -> list[str]:
         cluster = process_layout(config).cluster
         found = f" ({cluster.job}, found by JAX's cluster detection)" if cluster is not None else ""
         procs = f", {num_processes} processes{found}"
-        if platform == "cpu":
-            from ._gloo_loop import idled_gloo_threads
+        from ._gloo_loop import idled_gloo_threads
 
-            procs += ("; gloo's network thread at idle priority" if idled_gloo_threads() else
+        idled = idled_gloo_threads()  # None: left at normal priority (overlapped syncs, or no CPU run)
+        if idled is not None:
+            procs += ("; gloo's network thread at idle priority" if idled else
                       "; gloo's network thread not found (a blocking sync may wait for the kernel's timer tick)")
         islands = [f"  islands      {island_map(d.num_replicas, num_processes)}"]
     cache_dir = jax.config.jax_compilation_cache_dir if getattr(config, "compile_cache", True) else None

@@ -44,10 +44,12 @@ def join_processes(config: "Config", layout: "ProcessLayout") -> None:
         guard_stderr(layout.process_id, layout.num_processes, config.dist.heartbeat_timeout_s)
         join(layout.coordinator, layout.num_processes, layout.process_id,
              heartbeat_timeout_s=config.dist.heartbeat_timeout_s, timeout_s=config.dist.init_timeout_s)
-        if jax.default_backend() == "cpu":  # starts JAX's client, and with it gloo's network thread
+        # Starts JAX's client, and with it gloo's network thread; a blocking sync then waits for no
+        # timer tick. An overlapped sync needs that thread beside the compute instead (see _gloo_loop).
+        if not overlapped_syncs(config) and jax.default_backend() == "cpu":
             from ._gloo_loop import idle_gloo_loop
 
-            idle_gloo_loop()  # a blocking sync then waits for no timer tick (see _gloo_loop)
+            idle_gloo_loop()
 
 
 # What gloo prints with std::cout each time it connects a communicator (twice per run here); no variable
@@ -213,13 +215,18 @@ def wait_until_reachable(address: str, timeout_s: float, poll_s: float = 0.01) -
     return True
 
 
+def overlapped_syncs(config: "Config") -> bool:
+    """Whether the run's syncs overlap compute (`--diloco.overlap-steps` > 0 or an outer overlap)."""
+    d = config.diloco
+    return config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
+
+
 def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
     """The CLI's meshes: `build_meshes` from the config's flags (after the flag rules that need the
     backend: `check_backend`)."""
     check_backend(config, jax.default_backend(), cudnn_backend(jax.devices()[0]))
     d = config.diloco
-    overlapped = config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
-    return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped else "off",
+    return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped_syncs(config) else "off",
                         replicas_per_device=config.mesh.replicas_per_device or None, fsdp=config.mesh.fsdp,
                         tensor=config.mesh.tensor)
 

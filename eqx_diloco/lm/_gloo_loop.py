@@ -7,12 +7,14 @@ until XLA's thread, the one running the collective, has taken its turn. Where th
 (the launcher pins each process to its own CPUs), the poll keeps that core until the kernel's next
 timer tick, 4 ms at 250 Hz, and only then does XLA's thread run. Measured here
 (`benchmarks/psum_floor.py`): a psum of 131,393 float32 values between two pinned processes took
-4.00 ms at the median, and 0.42 ms with the loop thread at `SCHED_IDLE`.
+4.00 ms at the median, and 0.31 ms with the loop thread at `SCHED_IDLE`.
 
 At `SCHED_IDLE` the loop runs whenever no other thread of its CPUs is runnable, which is exactly when
-a blocking collective waits for it. The cost: while XLA computes on every CPU of the process, the
-loop gets only what is left, so a sync overlapped with compute (`--diloco.overlap-steps`) moves its
-bytes in the gaps between programs rather than beside them.
+a blocking collective waits for it. A sync that overlaps compute needs the loop beside the compute
+instead: at idle priority it moves bytes only in the gaps between programs. On a 60 Mbit/s link
+(`benchmarks/overlap.py --quick --only streaming_overlap_tau3`, one paired repeat each), Streaming
+with tau = 3 kept 0.83 of its compute speed with the loop idle and 0.97 without. So the trainer
+idles the loop only in runs whose syncs all block (`eqx_diloco.lm._devices.overlapped_syncs`).
 """
 
 from __future__ import annotations
