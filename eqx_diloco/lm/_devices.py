@@ -17,7 +17,7 @@ from models._config import cudnn_backend
 
 from .._errors import ConfigError
 from .._mesh import build_meshes, ensure_cpu_devices
-from ._layout import ProcessLayout, devices_needed, process_layout
+from ._layout import ProcessLayout, devices_needed, overlapped_syncs, process_layout
 from .config import check_backend
 from .launch import record_failure
 
@@ -215,18 +215,13 @@ def wait_until_reachable(address: str, timeout_s: float, poll_s: float = 0.01) -
     return True
 
 
-def overlapped_syncs(config: "Config") -> bool:
-    """Whether the run's syncs overlap compute (`--diloco.overlap-steps` > 0 or an outer overlap)."""
-    d = config.diloco
-    return config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
-
-
 def make_meshes(config: "Config") -> tuple[Mesh, Mesh | None]:
     """The CLI's meshes: `build_meshes` from the config's flags (after the flag rules that need the
     backend: `check_backend`)."""
     check_backend(config, jax.default_backend(), cudnn_backend(jax.devices()[0]))
     d = config.diloco
-    return build_meshes(d.num_replicas, config.mesh.data, comm_device=d.comm_device if overlapped_syncs(config) else "off",
+    comm_device = d.comm_device if overlapped_syncs(config) else "off"
+    return build_meshes(d.num_replicas, config.mesh.data, comm_device=comm_device,
                         replicas_per_device=config.mesh.replicas_per_device or None, fsdp=config.mesh.fsdp,
                         tensor=config.mesh.tensor)
 

@@ -15,7 +15,7 @@ instead: at idle priority it moves bytes only in the gaps between programs. On a
 (`benchmarks/overlap.py --quick --only streaming_overlap_tau3`, one paired repeat each, run back to
 back), Streaming with tau = 3 took 0.180 s per step with the loop idle and 0.155 s without, against
 0.15 s for its compute alone. So the trainer idles the loop only in runs whose syncs all block
-(`eqx_diloco.lm._devices.overlapped_syncs`).
+(`eqx_diloco.lm._layout.overlapped_syncs`).
 """
 
 from __future__ import annotations

@@ -85,11 +85,15 @@ def _env_int(name: str, default: int | None, flag: str) -> int | None:
         raise ConfigError(f"${name} must be an integer (got {value!r}; or set {flag})") from None
 
 
+def overlapped_syncs(config: "Config") -> bool:
+    """Whether the run's syncs overlap compute (`--diloco.overlap-steps` > 0 or an outer overlap)."""
+    d = config.diloco
+    return config.algorithm == "diloco" and (d.overlap_steps > 0 or d.outer_overlap != "none")
+
+
 def wants_comm_device(config: "Config") -> bool:
     """Whether syncs run on separate communication devices (only with overlap, tau > 0)."""
-    d = config.diloco
-    overlapped = d.overlap_steps > 0 or d.outer_overlap != "none"
-    return config.algorithm == "diloco" and overlapped and d.comm_device != "off"
+    return overlapped_syncs(config) and config.diloco.comm_device != "off"
 
 
 def devices_needed(config: "Config") -> int:
