@@ -60,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._codec import as_codec
 from ._exchange import resolve_method, sent_values
-from ._tree import all_finite, cast_like, row_finite
+from ._tree import all_finite, cast_like, keep_if, row_finite
 from ._groups import ParamGroup
 from ._compile_ahead import compile_install_ahead
 from ._outer import move_to_mesh, replica_mean, unflatten_like, with_residuals
@@ -193,8 +193,7 @@ class OverlappedOuter:
             # exchange that brought it); the replicas then restart from the old anchors.
             new_anchors = optax.apply_updates(anchors, updates)
             ok = all_finite(new_anchors)
-            anchors = [jnp.where(ok, n, a) for n, a in zip(new_anchors, anchors)]
-            outer_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), outer_state, state.outer_states[i])
+            anchors, outer_state = keep_if(ok, (new_anchors, outer_state), (anchors, state.outer_states[i]))
             restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
             restart = cast_like(restart, replicas)
             state = dataclasses.replace(
@@ -239,7 +238,7 @@ class OverlappedOuter:
             landed = jnp.any(jnp.stack([jnp.any(r != 0) for r in rem]))
             landed_anchors = [a + (u - z) for a, u, z in zip(anchors, with_rem, without)]
             landed = landed & all_finite(landed_anchors)  # never a non-finite global model
-            anchors = [jnp.where(landed, n, a) for a, n in zip(anchors, landed_anchors)]
+            anchors = keep_if(landed, landed_anchors, anchors)
             replicas = group.get(state.params, layer_axis=1)
             restart = anchors if eager else [jnp.broadcast_to(a, r.shape) for a, r in zip(anchors, replicas)]
             restart = cast_like(restart, replicas)

@@ -29,7 +29,7 @@ from jaxtyping import Array
 
 from ._compile_ahead import compile_install_ahead
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
-from ._tree import all_finite, cast_like, row_finite
+from ._tree import all_finite, cast_like, keep_if, row_finite
 from ._groups import ParamGroup
 from ._sharding import all_rows_finite, axes_of, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
@@ -307,9 +307,9 @@ class OuterSync:
             # raises or reports it; otherwise the flags name the replicas that caused it.
             global_ok = all_finite(new_global)
             apply = global_ok if self.skip_nonfinite else global_ok & every_finite
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+            new_global, new_outer_state = keep_if(apply, (new_global, new_outer_state), (global_values, outer_state))
             finite = jnp.where(every_finite & ~global_ok, jnp.zeros_like(finite), finite)
-            return keep(new_global, global_values), keep(new_outer_state, outer_state), finite, new_residuals
+            return new_global, new_outer_state, finite, new_residuals
 
         return core
 

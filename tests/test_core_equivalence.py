@@ -124,6 +124,40 @@ def test_a_sync_applies_nesterov_sgd_to_the_mean_outer_gradient_and_replaces_the
         np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))  # alpha = 0: replicas replaced
 
 
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
+def test_a_sync_applies_or_drops_its_outer_step_in_one_conditional(on_nonfinite):
+    """Whether the outer step is applied is one scalar flag, and the values are kept or replaced by one
+    conditional: a per-element select recomputes the flag's chain of per-leaf finite checks for every
+    element in a program compiled unoptimised (the sync programs are, on CPU)."""
+    import re
+
+    from eqx_diloco._rare_programs import rare_program_options
+
+    diloco = DiLoCo(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=2, sync_period=3,
+                    inner_optimizer=optax.adam(1e-2), on_nonfinite=on_nonfinite,
+                    sync_compiler_options=rare_program_options(1, backend="cpu"))
+    state = diloco.init(MODEL)
+    text = diloco.outer._fns["sync_and_merge"][0].lower(state).compile().as_text()
+    assert len(re.findall(r" conditional\(", text)) == 1
+    # No parameter-shaped values chosen element by element (`skip` weighs the exchange's flat buffer so).
+    leaf_shapes = {tuple(x.shape) for x in jax.tree.leaves(state.global_params)}
+    selects = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} select\(", text)
+    assert not [dims for dims in selects if tuple(int(d) for d in dims.split(",") if d) in leaf_shapes]
+
+
+def test_keep_if_returns_one_tree_or_the_other_whole():
+    from eqx_diloco._tree import keep_if
+
+    new = {"a": jax.numpy.array([1.0, jax.numpy.nan]), "b": (jax.numpy.arange(3),)}
+    old = {"a": jax.numpy.array([2.0, 3.0]), "b": (jax.numpy.zeros(3, jax.numpy.int32),)}
+    chosen = jax.jit(keep_if)
+    for pred, want in [(True, new), (False, old)]:
+        got = chosen(jax.numpy.bool_(pred), new, old)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize("quantize, on_nonfinite, want", [
     ("none", "stop", ["all-reduce"]), ("none", "skip", ["all-reduce"]),
     ("int4", "stop", ["all-gather", "all-gather", "all-reduce"]),
