@@ -4,10 +4,10 @@ run), the outer syncs and the global model's finite check (once per sync).
 On a CPU, XLA's defaults spend seconds on each program: LLVM's optimisations and its per-fusion
 emitters. At LLVM level 0 with XLA:CPU's older (non-MLIR) fusion emitters the same programs compile
 several times faster and run several times slower (benchmarks/results/rare_programs.md, one core:
-the default model's blocking sync compiles in 0.40 s instead of 1.89 s, then runs in 75 ms instead of
-14 ms). Unoptimised code pays while what it adds over the whole run stays under what it saves at
-the start: the sync costs 41-49 ns more per parameter per run, so 2^24 parameter-runs add at most
-about 0.8 s, against 1.4-1.5 s of compilation saved. An evaluation runs about twice as long
+the default model's blocking sync compiles in 0.35 s instead of 1.45 s, then runs in 54 ms instead of
+13 ms). Unoptimised code pays while what it adds over the whole run stays under what it saves at
+the start: the sync costs 26-33 ns more per parameter per run, so 2^24 parameter-runs add at most
+about 0.55 s, against 1.0-1.1 s of compilation saved. An evaluation runs about twice as long
 unoptimised, and a run evaluates again and again: it keeps XLA's defaults, as does every program
 that runs at every step. Accelerators compile these programs quickly: they keep the defaults.
 """

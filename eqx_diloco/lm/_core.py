@@ -52,7 +52,7 @@ def global_model(state: TrainState) -> Transformer:
 def eval_loss(model: Transformer, tokens) -> jax.Array:
     """Mean next-token cross entropy of `model` on `tokens` (no auxiliary losses). It keeps XLA's
     defaults, unlike the syncs: a run evaluates every `--train.eval-every` steps, and unoptimised the
-    default model's evaluation took 1.9x as long (benchmarks/results/rare_programs.md)."""
+    default model's evaluation took twice as long (benchmarks/results/rare_programs.md)."""
     return lm_loss(model, tokens)[1]["ce"]
 
 
