@@ -124,25 +124,41 @@ def test_a_sync_applies_nesterov_sgd_to_the_mean_outer_gradient_and_replaces_the
         np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))  # alpha = 0: replicas replaced
 
 
-@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
-def test_a_sync_applies_or_drops_its_outer_step_in_one_conditional(on_nonfinite):
-    """Whether the outer step is applied is one scalar flag, and the values are kept or replaced by one
-    conditional: a per-element select recomputes the flag's chain of per-leaf finite checks for every
-    element in a program compiled unoptimised (the sync programs are, on CPU)."""
+def _predicates_computed_in_fusions(text: str) -> list[str]:
+    """The scalar predicates that a fused computation of compiled HLO `text` computes itself and then
+    broadcasts over an array: unoptimised code (the sync programs, on CPU) computes them again for every
+    element of it."""
     import re
 
+    found = []
+    for computation in text.split("\n\n"):
+        ops = dict(re.findall(r"%([\w.-]+) = \S+ ([\w-]+)\(", computation))
+        broadcast = re.findall(r"= pred\[[\d,]+\]\{[^}]*\} broadcast\(%([\w.-]+)\), dimensions=\{\}", computation)
+        found += [name for name in broadcast if ops.get(name) not in ("parameter", "constant", "bitcast")]
+    return found
+
+
+@pytest.mark.parametrize("flags, programs", [
+    (dict(on_nonfinite="stop"), {"sync_and_merge": 0}),
+    (dict(on_nonfinite="skip"), {"sync_and_merge": 0}),
+    (dict(num_fragments=3, sync_period=6, overlap_steps=1), {"sync": 1, "sync_and_merge": 1}),
+    (dict(outer_overlap="delayed"), {"_outer": 0, "_drain": 0}),
+    (dict(outer_overlap="eager"), {"_outer": 0, "_drain": 0}),
+], ids=["stop", "skip", "streaming", "delayed", "eager"])
+def test_a_sync_applies_or_drops_its_outer_step_in_one_conditional(flags, programs):
+    """Whether the outer step is applied is one scalar flag, and the values are kept or replaced by one
+    conditional (`keep_if`), not by a select per element whose fusion recomputes the flag's chain of
+    per-leaf finite checks for each element, as the sync programs' unoptimised code did."""
     from eqx_diloco._rare_programs import rare_program_options
 
-    diloco = DiLoCo(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=2, sync_period=3,
-                    inner_optimizer=optax.adam(1e-2), on_nonfinite=on_nonfinite,
-                    sync_compiler_options=rare_program_options(1, backend="cpu"))
+    diloco = DiLoCo(loss_fn=loss_fn, layers=lambda m: m.blocks, num_replicas=2, inner_optimizer=optax.adam(1e-2),
+                    sync_compiler_options=rare_program_options(1, backend="cpu"), **{"sync_period": 4, **flags})
     state = diloco.init(MODEL)
-    text = diloco.outer._fns["sync_and_merge"][0].lower(state).compile().as_text()
-    assert len(re.findall(r" conditional\(", text)) == 1
-    # No parameter-shaped values chosen element by element (`skip` weighs the exchange's flat buffer so).
-    leaf_shapes = {tuple(x.shape) for x in jax.tree.leaves(state.global_params)}
-    selects = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} select\(", text)
-    assert not [dims for dims in selects if tuple(int(d) for d in dims.split(",") if d) in leaf_shapes]
+    for name, group in programs.items():
+        program = getattr(diloco.overlapped, name)[group] if diloco.outer is None else diloco.outer._fns[name][group]
+        text = program.lower(state).compile().as_text()
+        assert text.count(" conditional(") >= 1, name
+        assert not _predicates_computed_in_fusions(text), name
 
 
 def test_keep_if_returns_one_tree_or_the_other_whole():
