@@ -22,7 +22,7 @@ def keep_if(pred: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
 
     Not a `jnp.where` per leaf: XLA fuses the predicate's scalar computation (here a chain of
     per-leaf finite flags) into every select, and a program compiled unoptimised
-    (`_rare_programs`) recomputes it for each element: the default model's sync ran 1.7x as long.
+    (`_rare_programs`) recomputes it for each element: a 2-layer model's sync ran 1.7x as long.
     """
     return jax.lax.cond(pred, lambda n, o: n, lambda n, o: o, new, old)
 
