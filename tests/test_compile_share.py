@@ -188,7 +188,10 @@ def test_a_pinned_process_compiles_on_every_cpu_and_steps_on_its_share(monkeypat
         monkeypatch.delenv(_compile_cpus.COMPILE_CPUS_ENV, raising=False)
         assert not _compile_cpus.widen_for_compiles()  # no launcher asked: nothing changes
         monkeypatch.setenv(_compile_cpus.COMPILE_CPUS_ENV, ",".join(map(str, every)))
-        assert _compile_cpus.widen_for_compiles()
+        # Two devices on one CPU: compiled for two CPUs, each step's loops would take turns on one.
+        assert not _compile_cpus.widen_for_compiles(local_devices=2)
+        assert all(os.sched_getaffinity(int(tid)) == {every[0]} for tid in os.listdir("/proc/self/task"))
+        assert _compile_cpus.widen_for_compiles(local_devices=1)
         assert all(os.sched_getaffinity(int(tid)) == set(every) for tid in os.listdir("/proc/self/task"))
         release = threading.Event()
         worker = threading.Thread(target=release.wait)  # a thread started while widened (as XLA's compile pool)
@@ -197,12 +200,12 @@ def test_a_pinned_process_compiles_on_every_cpu_and_steps_on_its_share(monkeypat
         assert all(os.sched_getaffinity(int(tid)) == {every[0]} for tid in os.listdir("/proc/self/task"))
         release.set()
         worker.join()
-        assert _compile_cpus.widen_for_compiles()  # again after the last step, for the final programs
+        assert _compile_cpus.widen_for_compiles(local_devices=1)  # again after the last step, for the final programs
         assert os.sched_getaffinity(0) == set(every)
         _compile_cpus.narrow_to_share()
         assert os.sched_getaffinity(0) == {every[0]}
         monkeypatch.setenv(_compile_cpus.COMPILE_CPUS_ENV, "not,cpus")
-        assert not _compile_cpus.widen_for_compiles()
+        assert not _compile_cpus.widen_for_compiles(local_devices=1)
     finally:
         for tid in os.listdir("/proc/self/task"):
             try:
