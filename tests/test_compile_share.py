@@ -189,9 +189,11 @@ def test_a_pinned_process_compiles_on_every_cpu_and_steps_on_its_share(monkeypat
         assert not _compile_cpus.widen_for_compiles()  # no launcher asked: nothing changes
         monkeypatch.setenv(_compile_cpus.COMPILE_CPUS_ENV, ",".join(map(str, every)))
         # Two devices on one CPU: compiled for two CPUs, each step's loops would take turns on one.
-        assert not _compile_cpus.widen_for_compiles(local_devices=2)
+        monkeypatch.setattr(jax, "local_device_count", lambda: 2)  # what the default reads
+        assert not _compile_cpus.widen_for_compiles()
         assert all(os.sched_getaffinity(int(tid)) == {every[0]} for tid in os.listdir("/proc/self/task"))
-        assert _compile_cpus.widen_for_compiles(local_devices=1)
+        monkeypatch.setattr(jax, "local_device_count", lambda: 1)
+        assert _compile_cpus.widen_for_compiles()
         assert all(os.sched_getaffinity(int(tid)) == set(every) for tid in os.listdir("/proc/self/task"))
         release = threading.Event()
         worker = threading.Thread(target=release.wait)  # a thread started while widened (as XLA's compile pool)
