@@ -130,6 +130,16 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Multiple-choice tasks scored with each held-out evaluation (docs/evaluate.md)."""
+
+    tasks: str | None = None
+    """comma-separated jsonl files of multiple-choice questions (`context`, `choices`, `label` per line), scored on the global model at every evaluation (`--train.eval-every`) as lm-evaluation-harness scores them: `eval/<name>/acc` and `eval/<name>/acc_norm` in metrics.jsonl and TensorBoard, <name> being the file's name without `.jsonl`. Text is read as the run's data is (UTF-8 bytes, or the token file's tokenizer)."""
+    max_examples: int = 0
+    """questions of each task file scored at each evaluation, the first ones (0 = all)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device layout."""
 
@@ -235,6 +245,7 @@ class Config:
     dist: DistributedConfig = DistributedConfig()
     elastic: ElasticConfig = ElasticConfig()
     decoupled: DecoupledConfig = DecoupledConfig()
+    eval: EvalConfig = EvalConfig()
     compile_cache: bool = True
     """keep compiled programs in JAX's persistent compilation cache ($JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/eqx_diloco/jax, else ~/.cache/eqx_diloco/jax), so the next run of the same config starts training sooner; `--no-compile-cache` compiles everything afresh."""
 
@@ -385,6 +396,11 @@ def validate(config: Config) -> None:
         )
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None
+    _require(config.eval.max_examples >= 0, f"--eval.max-examples must be >= 0 (got {config.eval.max_examples})")
+    if config.eval.tasks:
+        from .tasks import read_tasks  # reads the files now, before JAX starts: a bad row fails in a second
+
+        read_tasks(config.eval.tasks, flag="--eval.tasks")
     validate_decoupled(config)
     if config.algorithm == "ddp":
         return
