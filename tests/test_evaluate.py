@@ -238,7 +238,8 @@ def test_a_hugging_face_folder_is_read_by_load_hf_model(tmp_path, capsys, monkey
     (tmp_path / "tokens.bin").write_bytes(np.arange(200, dtype=np.uint16).tobytes())
     assert main([str(folder), "--tokens", str(tmp_path / "tokens.bin"), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["kind"] == "hf" and result["context"] == 64 and result["held_out"]["tokens"] == 3 * 64  # windows at 0, 64, 128
+    # 200 tokens hold windows of 65 at 0, 64 and 128.
+    assert result["kind"] == "hf" and result["context"] == 64 and result["held_out"]["tokens"] == 3 * 64
 
 
 # -- a trained model gets the answers right, an untrained one cannot -------------------------------
@@ -306,3 +307,24 @@ def test_evaluate_an_export_a_run_folder_and_an_untrained_model(trained_run, cap
     assert main([str(untrained), "--tasks", tasks, "--json"]) == 0
     scores = json.loads(capsys.readouterr().out)["tasks"]["pattern"]
     assert scores["acc"] <= 0.5 and scores["acc_norm"] <= 0.5
+
+
+@pytest.mark.slow
+def test_task_scores_of_a_sharded_island_equal_the_exported_models(tmp_path, capsys):
+    """Islands of 4 devices (fsdp 2 x tensor 2): the trainer scores the tasks on the sharded global model;
+    `evaluate` on its export (one device) gives the same accuracies."""
+    from conftest import tiny_config
+    from eqx_diloco.lm.trainer import train
+
+    rows = pattern_questions()
+    tasks = write_jsonl(tmp_path / "pattern.jsonl", rows)
+    config = tiny_config(tmp_path / "run", train={"steps": 4, "eval_every": 4, "seq_len": 32},
+                         mesh={"fsdp": 2, "tensor": 2}, checkpoint={"every": 4})
+    train(dataclasses.replace(config, eval=EvalConfig(tasks=tasks, max_examples=10)), verbose=False)
+    last = [r for r in read_metrics(config.run_dir) if "eval_loss" in r][-1]
+    export(config.run_dir, tmp_path / "model.eqx")
+    assert main([str(tmp_path / "model.eqx"), "--tasks", tasks, "--max-examples", "10", "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)["tasks"]["pattern"]
+    assert scores["questions"] == 10
+    assert (last["step"], last["eval/pattern/acc"], last["eval/pattern/acc_norm"]) == (4, scores["acc"],
+                                                                                      scores["acc_norm"])

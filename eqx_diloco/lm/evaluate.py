@@ -268,7 +268,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m eqx_diloco.evaluate",
         description="Held-out loss and perplexity, and multiple-choice accuracy (acc, acc_norm) of a model: an "
         "export of python -m eqx_diloco.export, a run folder or a Hugging Face folder. See docs/evaluate.md.")
-    parser.add_argument("model", type=Path, metavar="MODEL", help="an .eqx export, a run folder or a Hugging Face folder")
+    parser.add_argument("model", type=Path, metavar="MODEL",
+                        help="an .eqx export, a run folder or a Hugging Face folder")
     parser.add_argument("--tasks", "--eval.tasks", dest="tasks", default=None, metavar="PATH[,PATH...]",
                         help="multiple-choice jsonl files (context, choices, label per line)")
     parser.add_argument("--max-examples", "--eval.max-examples", dest="max_examples", type=int, default=0,
