@@ -80,11 +80,12 @@ def test_batched_padded_scores_equal_one_sequence_at_a_time():
     sequences = [(list(rng.integers(0, 256, length)), int(n)) for length, n in
                  [(3, 1), (10, 4), (33, 5), (34, 33), (41, 40), (60, 7), (20, 19)] * 3]
     batches = score_batches(sequences, context=context, vocab_size=TINY.vocab_size)
-    assert {b.inputs.shape[1] for b in batches} == {32, 40}
+    assert {b.inputs.shape for b in batches} == {(64, 32), (64, 40)}  # one program per bucket, whatever the lengths
     got = score(model, batches, len(sequences))
+    reference = jax.jit(lambda ids: jax.nn.log_softmax(model(ids), axis=-1))  # one unpadded sequence
     for (ids, n), value in zip(sequences, got):
         ids = np.asarray(ids[-(context + 1):], np.int32)
-        logprobs = jax.nn.log_softmax(model(jnp.asarray(ids[:-1])), axis=-1)
+        logprobs = reference(jnp.asarray(ids[:-1]))
         expected = float(np.sum(np.asarray(logprobs)[np.arange(len(ids) - 1), ids[1:]][-n:]))
         assert value == pytest.approx(expected, rel=1e-5, abs=1e-4)
 
@@ -192,13 +193,23 @@ BAD_FLAGS = [
     (["--tasks", "{tmp}/t.jsonl", "--tokenizer", "{tmp}/absent.json"], "--tokenizer"),
     ([], "nothing to evaluate"),
     (["--tasks", "{tmp}/long.jsonl"], "more than the model's context"),
+    (["--tokens", "{tmp}/big_vocab.bin"], "more than the model's 256"),
+    (["--tokens", "{tmp}/big_id.bin"], "found id 300"),
+    (["--data.source", "tokens", "--data.path", "{tmp}/big_vocab.bin"], "more than the model's 256"),
+    (["--tokens", "{tmp}/short.bin"], "fewer than one sequence"),
 ]
 
 
-@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f[0]) or "no-data" for f in BAD_FLAGS])
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f[0]).replace("{tmp}/", "") or "no-data"
+                                                         for f in BAD_FLAGS])
 def test_bad_flags_are_one_line_naming_the_flag(tmp_path, capsys, byte_model, flags, message):
     write_jsonl(tmp_path / "t.jsonl", [GOOD])
     write_jsonl(tmp_path / "long.jsonl", [{"context": "abc", "choices": ["d" * 40, "e"], "label": 0}])
+    for name, ids, meta in [("big_vocab", np.arange(100), {"vocab_size": 1000}), ("big_id", [1, 300, 2] * 20, None),
+                            ("short", np.arange(20), None)]:
+        (tmp_path / f"{name}.bin").write_bytes(np.asarray(ids, np.uint16).tobytes())
+        if meta:
+            (tmp_path / f"{name}.bin.json").write_text(json.dumps({"dtype": "uint16", **meta}))
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     assert main([str(byte_model), *flags]) == 2
     err = capsys.readouterr().err
@@ -328,3 +339,17 @@ def test_task_scores_of_a_sharded_island_equal_the_exported_models(tmp_path, cap
     assert scores["questions"] == 10
     assert (last["step"], last["eval/pattern/acc"], last["eval/pattern/acc_norm"]) == (4, scores["acc"],
                                                                                       scores["acc_norm"])
+
+
+@pytest.mark.slow
+def test_the_command_runs_as_a_module(tmp_path, byte_model):
+    import subprocess
+
+    tasks = write_jsonl(tmp_path / "t.jsonl", [GOOD, {"context": "x y", "choices": ["z", "w", "v"], "label": 2}])
+    done = subprocess.run([sys.executable, "-m", "eqx_diloco.evaluate", str(byte_model), "--tasks", tasks],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("t: acc ") and done.stdout.rstrip().endswith("(2 questions)")
+    refused = subprocess.run([sys.executable, "-m", "eqx_diloco.evaluate", str(tmp_path)], capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "none of" in refused.stderr

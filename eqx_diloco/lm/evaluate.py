@@ -18,6 +18,7 @@ nothing compiles per question.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -221,21 +222,42 @@ def held_out_tokens(args: argparse.Namespace, loaded: LoadedModel) -> tuple[np.n
             raise ConfigError(f"--tokens and {DATA_FLAGS[next(iter(overrides))]} both name held-out data: give one")
         if not args.tokens.is_file():
             raise ConfigError(f"--tokens must be a token file (python -m eqx_diloco.prepare): {args.tokens}")
-        try:
+        with _model_vocab_words("--tokens"):
+            _check_file_vocab(args.tokens, vocab, "--tokens")
             return open_tokens(args.tokens, vocab), f"{args.tokens} (all of it)"
-        except ConfigError as e:
-            message = str(e).replace("--data.path", "--tokens")
-            raise ConfigError(message.replace("--model.vocab-size", "the model's vocab_size")) from None
     if not overrides and loaded.data is None:
         return None
     data = dataclasses.replace(loaded.data or DataConfig(), **overrides)
     if "source" in overrides and "path" not in overrides and data.source not in ("text", "tokens"):
         data = dataclasses.replace(data, path=None)  # the run's path belongs to the run's source
     validate(Config(data=data))  # the trainer's rules for the --data flags, in its words
-    tokens = load_tokens(data, vocab, loaded.seed)
+    with _model_vocab_words("--data.path"):
+        if data.source == "tokens":
+            _check_file_vocab(data.path, vocab, "--data.path")
+        tokens = load_tokens(data, vocab, loaded.seed)
     start = int(len(tokens) * (1.0 - data.eval_fraction))
     where = data.source if data.path is None else f"{data.source} {data.path}"
     return tokens[start:], f"the held-out {data.eval_fraction:g} of {where}"
+
+
+def _check_file_vocab(path: Path, vocab: int, flag: str) -> None:
+    """A token file made for a larger vocabulary than the model's is refused, naming both."""
+    from .data import read_token_meta, token_meta_path
+
+    file_vocab = read_token_meta(path).get("vocab_size")
+    if file_vocab is not None and file_vocab > vocab:
+        raise ConfigError(f"{flag} {path} holds ids of a vocabulary of {file_vocab} ({token_meta_path(path)}), "
+                          f"more than the model's {vocab}")
+
+
+@contextlib.contextmanager
+def _model_vocab_words(flag: str):
+    """The data reader's errors in this command's words: the file is `flag`, the vocabulary the model's."""
+    try:
+        yield
+    except ConfigError as e:
+        message = str(e).replace("--data.path", flag).replace("--model.vocab-size", "the model's vocab_size")
+        raise ConfigError(message) from None
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
