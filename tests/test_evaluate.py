@@ -148,6 +148,15 @@ def test_a_bad_task_file_is_one_line_naming_the_file(tmp_path, capsys, byte_mode
     assert str(path) in str(refused.value) and message in str(refused.value)
 
 
+def test_a_decoupled_run_refuses_eval_tasks(tmp_path):
+    from eqx_diloco.lm._decoupled_config import DecoupledConfig
+
+    tasks = write_jsonl(tmp_path / "t.jsonl", [GOOD])
+    config = Config(eval=EvalConfig(tasks=tasks), decoupled=DecoupledConfig(role="syncer"))
+    with pytest.raises(ConfigError, match="^--eval.tasks is scored by the trainer's evaluations; a decoupled run"):
+        validate(config)
+
+
 def test_non_utf8_task_file_names_the_line(tmp_path, capsys, byte_model):
     path = tmp_path / "bytes.jsonl"
     path.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"context": "\xff"}\n')

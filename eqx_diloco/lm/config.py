@@ -398,6 +398,9 @@ def validate(config: Config) -> None:
         raise ConfigError(flag_names(str(e))) from None
     _require(config.eval.max_examples >= 0, f"--eval.max-examples must be >= 0 (got {config.eval.max_examples})")
     if config.eval.tasks:
+        _require(config.decoupled.role == "off", "--eval.tasks is scored by the trainer's evaluations; a decoupled "
+                 "run evaluates in its syncer, which scores the held-out loss only: score an export with "
+                 "python -m eqx_diloco.evaluate instead")
         from .tasks import read_tasks  # reads the files now, before JAX starts: a bad row fails in a second
 
         read_tasks(config.eval.tasks, flag="--eval.tasks")
