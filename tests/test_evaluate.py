@@ -131,6 +131,8 @@ BAD_TASKS = [
     ("choice-not-text", [{"context": "abc", "choices": ["d", 3], "label": 0}], "choice 1"),
     ("no-context", [{"choices": ["d", "e"], "label": 0}], "no context"),
     ("label-not-an-index", [{"context": "abc", "choices": ["d", "e"], "label": "x"}], "index of the right choice"),
+    ("arc-label-not-a-choice", [{"question": "q", "choices": {"text": ["d", "e"], "label": ["A", "B"]},
+                                 "answerKey": "E"}], "none of the choice labels"),
 ]
 
 
@@ -179,7 +181,11 @@ def _none_of_three(tmp_path):
     folder.mkdir()
     (folder / "notes.txt").write_text("hello")
     (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
-    return [(folder, "none of"), (tmp_path / "weights.bin", "not an export"), (tmp_path / "absent", "does not exist")]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"algorithm": "diloco"}))  # a run that saved no checkpoint
+    return [(folder, "none of"), (tmp_path / "weights.bin", "not an export"), (tmp_path / "absent", "does not exist"),
+            (run, "no checkpoint")]
 
 
 def test_a_model_path_that_is_none_of_the_three_is_one_line(tmp_path, capsys):
@@ -187,7 +193,7 @@ def test_a_model_path_that_is_none_of_the_three_is_one_line(tmp_path, capsys):
     for path, message in _none_of_three(tmp_path):
         assert main([str(path), "--tasks", tasks]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: MODEL") and message in err and str(path) in err
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err and str(path) in err
 
 
 BAD_FLAGS = [

@@ -101,6 +101,9 @@ def read_question(row: Any, where: str) -> Question:
 def _label(value: Any, choice_labels: Any, what: str, where: str) -> int:
     if isinstance(choice_labels, list) and value in choice_labels:
         return choice_labels.index(value)
+    if isinstance(choice_labels, list) and isinstance(value, str) and not value.strip().isdigit():
+        raise ConfigError(f"{where}: {what} {json.dumps(value)[:20]} is none of the choice labels "
+                          f"{json.dumps(choice_labels)[:60]}")
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
