@@ -368,3 +368,22 @@ def test_the_command_runs_as_a_module(tmp_path, byte_model):
     refused = subprocess.run([sys.executable, "-m", "eqx_diloco.evaluate", str(tmp_path)], capture_output=True,
                              text=True, timeout=300)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "none of" in refused.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_score_the_tasks(tmp_path):
+    """An island per process: each places the same rows on the shared mesh, process 0 writes the scores."""
+    import subprocess
+
+    tasks = write_jsonl(tmp_path / "pattern.jsonl", pattern_questions())
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--", "--diloco.num-replicas", "2",
+         "--diloco.sync-period", "5", "--train.steps", "10", "--train.eval-every", "10", "--train.seq-len", "32",
+         "--model.num-layers", "1", "--model.dim", "32", "--eval.tasks", tasks, "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    evals = [r for r in read_metrics(run_dir) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 10]
+    assert all(0 <= r[f"eval/pattern/{k}"] <= 1 for r in evals for k in ("acc", "acc_norm"))
+    assert "pattern acc" in done.stdout
