@@ -19,7 +19,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ._arguments import check_replicas_per_process, processes_per_island
 from ._errors import ConfigError
-from ._host import host_devices, sync_placement, too_few_host_devices
+from . import _host
+from ._host import sync_placement, too_few_host_devices
 
 AXES = ("diloco", "data", "fsdp", "tensor")
 INNER = ("data", "fsdp", "tensor")  # the axes inside one row (replica)
@@ -165,7 +166,7 @@ def build_meshes(
     # The host's CPU devices beside an accelerator are another client's: not counted against its devices.
     beside = placement == "host" and platform != "cpu"
     own = 0 if beside else C  # communication devices per row taken from the compute backend's devices
-    host_have = min(len(host_devices(p)) for p in range(num_processes)) if beside else 0
+    host_have = min(len(_host.host_devices(p)) for p in range(num_processes)) if beside else 0
 
     def fits(k: int, comm: bool) -> bool:
         rows = local_replicas // k
@@ -195,7 +196,7 @@ def build_meshes(
         compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, data, fsdp, tensor))
         partners = devices[rows * D : per_process]
         if comm and placement == "host":
-            partners = host_devices(p, frozenset(devices[: rows * D]))[: rows * C]
+            partners = _host.host_devices(p, frozenset(devices[: rows * D]))[: rows * C]
             if len(partners) < rows * C:
                 raise too_few_host_devices(rows * C, process=p, have=len(partners))
         comm_rows.append(np.asarray(partners).reshape(rows, int(comm), fsdp, tensor))
