@@ -191,3 +191,23 @@ def test_cli_run_with_host_syncs_equals_syncs_on_the_compute_devices(make_config
     assert train_losses(host.run_dir) == train_losses(off.run_dir)
     for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow  # a CLI training as 2 processes, and one in this process
+def test_host_syncs_across_processes_equal_one_process(make_config, tmp_path):
+    """Each process copies its replica's fragment to a CPU device of its own and the exchange runs over gloo."""
+    from test_multiprocess import _launch
+
+    flags = ["--diloco.num-replicas", "2", "--diloco.sync-period", "6", "--diloco.num-fragments", "3",
+             "--diloco.overlap-steps", "1", "--diloco.alpha", "0.5", "--diloco.comm-device", "host",
+             "--train.steps", "8", "--model.num-layers", "2", "--model.dim", "32", "--model.mlp-ratio", "2",
+             "--train.lr", "0.01"]
+    single = make_config(diloco=dict(num_replicas=2, sync_period=6, num_fragments=3, overlap_steps=1, alpha=0.5,
+                                     comm_device="off"),
+                         train=dict(steps=8, lr=0.01, batch_size=4, seq_len=16, eval_every=50, warmup_steps=20))
+    Trainer(single, verbose=False).run()
+    proc = _launch(2, tmp_path / "multi", *flags)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "  syncs        on 2 communication devices: they overlap the steps (--diloco.comm-device host)" in out
+    np.testing.assert_allclose(train_losses(tmp_path / "multi"), train_losses(single.run_dir), rtol=1e-6)
