@@ -8,7 +8,8 @@ overlap compute, each row has its own *communication devices* (its row of the co
 On CPU hosts a collective inside the compute program, or a second program on the same
 device, blocks compute; a program on a second local device runs beside it. All devices
 of a row live in one process, so moving data between its compute and communication
-devices is a local copy.
+devices is a local copy. Beside a GPU or TPU the communication devices are the process's CPU
+devices (`comm_device="host"`, see `_host`).
 """
 
 from typing import Literal
@@ -34,7 +35,8 @@ def use_cpu_devices(count: int) -> None:
 
     A CPU-only machine has one device by default, and `DiLoCo` wants R x `data_parallel`
     devices (plus one communication device per shard of each replica when syncs overlap
-    compute; with fewer it packs replicas onto devices). This sets JAX's global `jax_num_cpu_devices`, which can
+    compute; with fewer it packs replicas onto devices). Beside a GPU or TPU it sets the CPU
+    devices that syncs with `comm_device="host"` run on. This sets JAX's global `jax_num_cpu_devices`, which can
     only change before JAX creates its backends: `DiLoCo` never calls it for you.
 
     **Arguments:**

@@ -211,3 +211,18 @@ def test_host_syncs_across_processes_equal_one_process(make_config, tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "  syncs        on 2 communication devices: they overlap the steps (--diloco.comm-device host)" in out
     np.testing.assert_allclose(train_losses(tmp_path / "multi"), train_losses(single.run_dir), rtol=1e-6)
+
+
+@pytest.mark.slow  # two trainings of a small transformer each
+@pytest.mark.parametrize("extra", [dict(fsdp=2), dict(outer_state_memory="host")], ids=["fsdp2", "outer-state-in-host-memory"])
+def test_host_syncs_of_a_sharded_island_or_host_memory_outer_state_equal_syncs_on_its_devices(extra):
+    """A partner CPU device per shard (nothing gathered), or theta_g kept in pinned host memory: bit for bit."""
+    from sharded_util import finished_model, make_core, train
+
+    overrides = dict(num_fragments=3, sync_period=6, overlap_steps=1, alpha=0.5, **extra)
+    on_host, on_own = make_core(comm_device="host", **overrides), make_core(comm_device="off", **overrides)
+    assert dict(on_host.comm_mesh.shape) == {"diloco": 2, "data": 1, "fsdp": extra.get("fsdp", 1), "tensor": 1}
+    (host_state, host_losses), (own_state, own_losses) = train(on_host, 12), train(on_own, 12)
+    np.testing.assert_array_equal(host_losses, own_losses)
+    for got, want in zip(finished_model(on_host, host_state), finished_model(on_own, own_state)):
+        np.testing.assert_array_equal(got, want)
