@@ -214,7 +214,8 @@ def test_host_syncs_across_processes_equal_one_process(make_config, tmp_path):
 
 
 @pytest.mark.slow  # two trainings of a small transformer each
-@pytest.mark.parametrize("extra", [dict(fsdp=2), dict(outer_state_memory="host")], ids=["fsdp2", "outer-state-in-host-memory"])
+@pytest.mark.parametrize("extra", [dict(fsdp=2), dict(outer_state_memory="host")],
+                         ids=["fsdp2", "outer-state-in-host-memory"])
 def test_host_syncs_of_a_sharded_island_or_host_memory_outer_state_equal_syncs_on_its_devices(extra):
     """A partner CPU device per shard (nothing gathered), or theta_g kept in pinned host memory: bit for bit."""
     from sharded_util import finished_model, make_core, train

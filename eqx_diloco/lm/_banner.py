@@ -172,7 +172,8 @@ def sync_lines(config, mesh, comm_mesh) -> list[str]:
     if config.algorithm != "diloco" or mesh is None:
         return []
     if not overlapped_syncs(config):
-        return ["  syncs        blocking, on the compute devices (--diloco.overlap-steps 0, --diloco.outer-overlap none)"]
+        return ["  syncs        blocking, on the compute devices "
+                "(--diloco.overlap-steps 0, --diloco.outer-overlap none)"]
     platform = mesh.devices.flat[0].platform
     if comm_mesh is None:
         return [f"  syncs        on the compute devices, after the steps in each {platform} device's queue: they do "
