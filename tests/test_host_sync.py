@@ -229,3 +229,13 @@ def test_host_syncs_of_a_sharded_island_or_host_memory_outer_state_equal_syncs_o
     np.testing.assert_array_equal(host_losses, own_losses)
     for got, want in zip(finished_model(on_host, host_state), finished_model(on_own, own_state)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_host_sync_benchmark_smoke(tmp_path):
+    from benchmarks import host_sync
+
+    out = tmp_path / "host_sync.md"
+    host_sync.main(["--size", "32", "--matmuls", "2", "--sync-mb", "1", "--sync-iters", "2", "--steps", "6",
+                    "--tau", "2", "--out", str(out)])
+    rows = [line.split(" | ")[0].strip("| ") for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert rows == ["what", "backend", "step", "sync", "overlap", "copy", "loop none", "loop inline", "loop thread"]
