@@ -136,7 +136,8 @@ def runtime_lines(config) -> list[str]:
     devices = jax.devices()
     platform = devices[0].platform if devices else "none"
     mesh, comm_mesh = _meshes(config)
-    comm = 0 if comm_mesh is None else comm_mesh.devices.size
+    # Communication devices among the backend's devices (the host's CPU devices beside an accelerator are not).
+    comm = 0 if comm_mesh is None or comm_mesh.devices.flat[0].platform != platform else comm_mesh.devices.size
     extra = f" ({comm} of them communication devices for overlapped syncs)" if comm else ""
     num_processes = jax.process_count()
     procs, islands = "", []
@@ -159,7 +160,29 @@ def runtime_lines(config) -> list[str]:
     elif cache_dir and num_processes > 1 and sharing_compiles():
         cache += "; process 0 compiles the programs of several processes for all of them"
     return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config, mesh),
-            *_compute_lines(config), f"  compilation  {cache}"]
+            *sync_lines(config, mesh, comm_mesh), *_compute_lines(config), f"  compilation  {cache}"]
+
+
+def sync_lines(config, mesh, comm_mesh) -> list[str]:
+    """Where the run's syncs run and whether they overlap the inner steps (nothing for ddp, or where the
+    flags do not fit the devices: `mesh` None)."""
+    from ._layout import overlapped_syncs
+
+    d = config.diloco
+    if config.algorithm != "diloco" or mesh is None:
+        return []
+    if not overlapped_syncs(config):
+        return ["  syncs        blocking, on the compute devices "
+                "(--diloco.overlap-steps 0, --diloco.outer-overlap none)"]
+    platform = mesh.devices.flat[0].platform
+    if comm_mesh is None:
+        return [f"  syncs        on the compute devices, after the steps in each {platform} device's queue: they do "
+                f"not overlap compute (--diloco.comm-device {d.comm_device})"]
+    count = comm_mesh.devices.size
+    where = f"{count} communication device{'s' if count > 1 else ''}"
+    if comm_mesh.devices.flat[0].platform != platform:
+        where = f"{count} CPU device{'s' if count > 1 else ''} of the host, copied there and back"
+    return [f"  syncs        on {where}: they overlap the steps (--diloco.comm-device {d.comm_device})"]
 
 
 def _meshes(config) -> tuple:

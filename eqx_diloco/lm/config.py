@@ -57,8 +57,8 @@ class DiLoCoConfig:
     """collective of a quantized sync: `gather` (all-gather every replica's payload: each sends R-1 payloads), `two_phase` (packed reduce-scatter + all-gather: each sends 2(R-1)/R of a payload, like a ring all-reduce; rounds twice) or `auto` (gather at R <= 2, two_phase above; top-k payloads are gathered up to R = 8: a second top-k of the reduced sum trains worse)."""
     router_sync_period: int = 0
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
-    comm_device: Literal["auto", "on", "off"] = "auto"
-    """with overlap (tau > 0), run each sync on separate communication devices (one per replica, or per shard of a sharded island) so it really overlaps compute: `auto` = on for CPU, `off` = dispatch it on the compute devices (correct everywhere)."""
+    comm_device: Literal["auto", "on", "host", "off"] = "auto"
+    """with overlap (tau > 0 or --diloco.outer-overlap), run each sync on devices of its own (one per replica, or per shard of a sharded island) so it really overlaps compute: `on` = extra devices of the backend, `host` = the process's CPU devices (beside a GPU or TPU: values copied there and back), `auto` = on for CPU, host for GPU and TPU, `off` = dispatch it on the compute devices (correct everywhere; on an accelerator it then waits behind the steps)."""
     outer_state_memory: Literal["device", "host"] = "device"
     """where theta_g and the outer optimizer state live between syncs: `device` memory, or the devices' `host` memory (JAX's pinned_host memory kind), which frees two parameter-sized copies per device; a sync or merge brings its fragment to the device. Needs --diloco.outer-overlap none."""
 
