@@ -1,0 +1,183 @@
+"""A Hugging Face model folder's `config.json` as `TransformerConfig` fields, and how they meet the
+`--model` flags (plain Python: the CLI reads it before JAX starts).
+
+The folder's config sets the model's shape. A `--model` flag left at its default takes the
+folder's value; a flag given another value must equal it, else `contradiction` names both.
+"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from models import TransformerConfig
+
+from .._errors import ConfigError
+
+# The dense decoder layouts read, by `architectures` entry. All three are Llama's block (pre-norm
+# RMSNorm, rotary attention with grouped key/value heads, SwiGLU); Qwen2 adds q/k/v biases.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+# TransformerConfig field -> the config.json key it comes from (for messages).
+SOURCE_KEYS = {
+    "vocab_size": "vocab_size", "num_layers": "num_hidden_layers", "dim": "hidden_size",
+    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
+    "norm_eps": "rms_norm_eps", "rope_base": "rope_theta", "tie_embeddings": "tie_word_embeddings",
+    "qkv_bias": "architectures", "mlp": "hidden_act", "kind": "architectures",
+}
+
+
+def config_file(folder: Path | str) -> Path:
+    return Path(folder) / "config.json"
+
+
+def read_hf_config(folder: Path | str, flag: str = "--model.init-from") -> dict[str, Any]:
+    """The parsed `config.json` of `folder`; a missing or malformed one is a one-line `ConfigError`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} must be a Hugging Face model folder: {folder} is not a folder")
+    path = config_file(folder)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{flag} {folder} holds no config.json (a Hugging Face model folder has one)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{flag} {path} is not readable JSON ({type(e).__name__}: {e})".splitlines()[0]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag} {path} is not a JSON object")
+    return raw
+
+
+def architecture(raw: dict[str, Any], where: Path) -> str:
+    """`llama`, `mistral` or `qwen2` from `architectures` (or `model_type`); anything else is refused."""
+    names = raw.get("architectures")
+    if isinstance(names, list) and len(names) == 1 and names[0] in ARCHITECTURES:
+        return ARCHITECTURES[names[0]]
+    if names is None and raw.get("model_type") in ARCHITECTURES.values():
+        return raw["model_type"]
+    shown = names if names is not None else raw.get("model_type")
+    raise ConfigError(f"{where}: architecture {shown} is not supported (reads {', '.join(ARCHITECTURES)})")
+
+
+def _int(raw: dict[str, Any], key: str, where: Path, default: Any = None) -> int:
+    value = raw.get(key, default)
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"{where}: {key} must be an int >= 1 (got {value!r})")
+    return value
+
+
+def _rope_base(raw: dict[str, Any], where: Path) -> float:
+    """`rope_theta` (top level, or in transformers 5's `rope_parameters`); scaled rope is refused."""
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or params.get("rope_type", "default") != "default":
+            kind = params.get("rope_type") if isinstance(params, dict) else params
+            raise ConfigError(f"{where}: rope_parameters rope_type {kind!r} cannot be mapped (plain rope only)")
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    else:
+        scaling = raw.get("rope_scaling")
+        if scaling is not None and (not isinstance(scaling, dict)
+                                    or scaling.get("rope_type", scaling.get("type")) != "default"):
+            raise ConfigError(f"{where}: rope_scaling {json.dumps(scaling)} cannot be mapped (plain rope only)")
+        theta = raw.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise ConfigError(f"{where}: rope_theta must be a number > 0 (got {theta!r})")
+    return float(theta)
+
+
+def hf_fields(raw: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The `TransformerConfig` fields a parsed `config.json` sets. A field or value the model cannot
+    represent is a one-line `ConfigError` naming it (`where`: the file, for the message)."""
+    arch = architecture(raw, where)
+    if raw.get("quantization_config") is not None:
+        raise ConfigError(f"{where}: quantization_config is set (quantized weights cannot be read; use the float ones)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {raw['hidden_act']!r} cannot be mapped (SwiGLU uses silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key, False):
+            raise ConfigError(f"{where}: {key} true cannot be mapped (no output or MLP biases)")
+    if arch == "mistral" and raw.get("sliding_window") is not None:
+        raise ConfigError(f"{where}: sliding_window {raw['sliding_window']} cannot be mapped (attention is over the "
+                          "whole sequence; null it only if you train on sequences no longer than it)")
+    if arch == "qwen2" and raw.get("use_sliding_window", False):
+        raise ConfigError(f"{where}: use_sliding_window true cannot be mapped (attention is over the whole sequence)")
+    dim, heads = _int(raw, "hidden_size", where), _int(raw, "num_attention_heads", where)
+    if dim % heads or (dim // heads) % 2:
+        raise ConfigError(f"{where}: hidden_size {dim} / num_attention_heads {heads} must be an even int (head dim)")
+    if raw.get("head_dim") not in (None, dim // heads):
+        raise ConfigError(f"{where}: head_dim {raw['head_dim']} cannot be mapped (must be hidden_size / "
+                          f"num_attention_heads = {dim // heads})")
+    kv_heads = _int(raw, "num_key_value_heads", where, default=heads) if raw.get("num_key_value_heads") else heads
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
+    eps = raw.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ConfigError(f"{where}: rms_norm_eps must be a number > 0 (got {eps!r})")
+    tie = raw.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{where}: tie_word_embeddings must be true or false (got {tie!r})")
+    return {
+        "vocab_size": _int(raw, "vocab_size", where),
+        "num_layers": _int(raw, "num_hidden_layers", where),
+        "dim": dim,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "ffn_dim": _int(raw, "intermediate_size", where),
+        "norm_eps": float(eps),
+        "rope_base": _rope_base(raw, where),
+        "tie_embeddings": tie,
+        "qkv_bias": arch == "qwen2",
+        "mlp": "swiglu",
+        "kind": "dense",
+    }
+
+
+def folder_fields(folder: Path | str) -> dict[str, Any]:
+    """`hf_fields` of `folder`'s config.json."""
+    return hf_fields(read_hf_config(folder), config_file(folder))
+
+
+_DEFAULTS = TransformerConfig()
+
+
+def fill_from_folder(model: TransformerConfig) -> TransformerConfig:
+    """`model` (a `TransformerConfig` or the CLI's `ModelFlags`, with `init_from` set) whose shape fields left
+    at their defaults (`vocab_size` unset) take the folder's values. Best effort: an unreadable folder leaves
+    `model` as it is (`contradiction` reports it, from `validate`; `Config()` must not raise)."""
+    try:
+        fields = folder_fields(model.init_from)
+    except ConfigError:
+        return model
+    changes = {}
+    for name, value in fields.items():
+        current = getattr(model, name)
+        if name == "ffn_dim":
+            # `--model.mlp-ratio` given: it speaks for the width (and must agree, see `contradiction`).
+            if current is None and model.mlp_ratio == _DEFAULTS.mlp_ratio:
+                changes[name] = value
+        elif current is None or current == getattr(_DEFAULTS, name):
+            changes[name] = value
+    return dataclasses.replace(model, **changes)
+
+
+def _flag(name: str) -> str:
+    return "--model." + name.replace("_", "-")
+
+
+def contradiction(model: TransformerConfig) -> str | None:
+    """Why `model`'s flags disagree with its `init_from` folder (one line naming the flag and the folder's
+    field), or None. Raises `ConfigError` for a folder that cannot be read or mapped."""
+    where = config_file(model.init_from)
+    fields = folder_fields(model.init_from)
+    for name, value in fields.items():
+        current = model.ffn_hidden if name == "ffn_dim" else getattr(model, name)
+        if name == "num_kv_heads":
+            current = model.kv_heads
+        if current != value:
+            flag = "--model.mlp-ratio" if name == "ffn_dim" and model.ffn_dim is None else _flag(name)
+            key = SOURCE_KEYS[name]
+            shown = fields[name] if key != "architectures" else f"{value} (the folder's layout)"
+            return (f"{flag} {current} contradicts {key} {shown} in {where} "
+                    "(leave the flag at its default to take the folder's value)")
+    return None
