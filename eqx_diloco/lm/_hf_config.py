@@ -24,7 +24,7 @@ SOURCE_KEYS = {
     "vocab_size": "vocab_size", "num_layers": "num_hidden_layers", "dim": "hidden_size",
     "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
     "norm_eps": "rms_norm_eps", "rope_base": "rope_theta", "tie_embeddings": "tie_word_embeddings",
-    "qkv_bias": "architectures", "mlp": "hidden_act", "kind": "architectures",
+    "qkv_bias": "architectures", "mlp": "architectures", "kind": "architectures",
 }
 
 
@@ -169,15 +169,17 @@ def contradiction(model: TransformerConfig) -> str | None:
     """Why `model`'s flags disagree with its `init_from` folder (one line naming the flag and the folder's
     field), or None. Raises `ConfigError` for a folder that cannot be read or mapped."""
     where = config_file(model.init_from)
-    fields = folder_fields(model.init_from)
+    raw = read_hf_config(model.init_from)
+    fields = hf_fields(raw, where)
     for name, value in fields.items():
-        current = model.ffn_hidden if name == "ffn_dim" else getattr(model, name)
-        if name == "num_kv_heads":
-            current = model.kv_heads
-        if current != value:
-            flag = "--model.mlp-ratio" if name == "ffn_dim" and model.ffn_dim is None else _flag(name)
-            key = SOURCE_KEYS[name]
-            shown = fields[name] if key != "architectures" else f"{value} (the folder's layout)"
-            return (f"{flag} {current} contradicts {key} {shown} in {where} "
-                    "(leave the flag at its default to take the folder's value)")
+        current = {"ffn_dim": model.ffn_hidden, "num_kv_heads": model.kv_heads}.get(name, getattr(model, name))
+        if current == value:
+            continue
+        flag = "--model.mlp-ratio" if name == "ffn_dim" and model.ffn_dim is None else _flag(name)
+        if SOURCE_KEYS[name] == "architectures":  # set by the layout itself, not by a key of its own
+            layout = raw.get("architectures") or [raw.get("model_type")]
+            return (f"{flag} {current} contradicts the {layout[0]} layout of {where} (which has {_flag(name)} "
+                    f"{value})")
+        return (f"{flag} {current} contradicts {SOURCE_KEYS[name]} {value} in {where} "
+                "(leave the flag at its default to take the folder's value)")
     return None

@@ -329,12 +329,12 @@ def validate(config: Config) -> None:
              f"--model.num-kv-heads must divide --model.num-heads (got {m.num_kv_heads} and {m.num_heads})")
     _require(m.ffn_dim is None or m.ffn_dim >= 1, f"--model.ffn-dim must be >= 1 (got {m.ffn_dim})")
     _require(0 < m.norm_eps < math.inf, f"--model.norm-eps must be a finite number > 0 (got {m.norm_eps})")
+    if m.init_from is not None:
+        _require((problem := contradiction(m)) is None, problem)
     if m.kind == "moe":
         _require(m.mlp == "gelu", f"--model.mlp {m.mlp} applies to --model.kind dense (MoE experts are GELU)")
         _require(m.ffn_dim is None, "--model.ffn-dim applies to --model.kind dense (MoE experts are "
                  "--model.mlp-ratio x --model.dim wide)")
-    if m.init_from is not None:
-        _require((problem := contradiction(m)) is None, problem)
     _require(m.scan_unroll == "auto" or (type(m.scan_unroll) is int and m.scan_unroll >= 0),
              f"--model.scan-unroll must be auto or an int >= 0 (0 = all layers; got {m.scan_unroll})")
     if m.attention == "cudnn" and m.dtype != "auto":  # the backend's half of the rule: `check_backend`

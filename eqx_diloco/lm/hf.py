@@ -102,8 +102,16 @@ def weight_files(folder: Path) -> dict[str, Path]:
         found = sorted(p.name for p in folder.glob("*.bin")) or sorted(p.name for p in folder.iterdir())[:5]
         raise ConfigError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE} (safetensors weights are read; "
                           f"found {', '.join(found) or 'nothing'})")
-    with safe_open(single, framework="numpy") as f:
-        return dict.fromkeys(f.keys(), single)
+    return dict.fromkeys(_read(single, lambda f: list(f.keys())), single)
+
+
+def _read(path: Path, read: Callable[[Any], Any]) -> Any:
+    """`read(f)` of the opened safetensors file `path`; a file that cannot be read is a one-line `ConfigError`."""
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return read(f)
+    except Exception as e:  # noqa: BLE001 - a truncated file, an unknown dtype, safetensors' own SafetensorError
+        raise ConfigError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})".splitlines()[0]) from None
 
 
 def read_tensors(folder: Path, wanted: list[str]) -> dict[str, np.ndarray]:
@@ -123,12 +131,7 @@ def read_tensors(folder: Path, wanted: list[str]) -> dict[str, np.ndarray]:
         by_file.setdefault(files[name], []).append(name)
     out = {}
     for path, names in by_file.items():
-        try:
-            with safe_open(path, framework="numpy") as f:
-                for name in names:
-                    out[name] = np.asarray(f.get_tensor(name), np.float32)
-        except Exception as e:  # noqa: BLE001 - a truncated file, an unknown dtype, safetensors' own SafetensorError
-            raise ConfigError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})".splitlines()[0]) from None
+        out.update(_read(path, lambda f, names=names: {n: np.asarray(f.get_tensor(n), np.float32) for n in names}))
     return out
 
 
