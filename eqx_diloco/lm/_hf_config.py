@@ -170,7 +170,10 @@ def contradiction(model: TransformerConfig) -> str | None:
     field), or None. Raises `ConfigError` for a folder that cannot be read or mapped."""
     where = config_file(model.init_from)
     raw = read_hf_config(model.init_from)
-    fields = hf_fields(raw, where)
+    try:
+        fields = hf_fields(raw, where)
+    except ConfigError as e:
+        raise ConfigError(f"--model.init-from {e}") from None
     for name, value in fields.items():
         current = {"ffn_dim": model.ffn_hidden, "num_kv_heads": model.kv_heads}.get(name, getattr(model, name))
         if current == value:

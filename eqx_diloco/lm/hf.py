@@ -166,14 +166,19 @@ def config_summary(config: TransformerConfig) -> str:
 
 
 def load_hf_weights(config: TransformerConfig, folder: Path | str | None = None) -> Transformer:
-    """The model of `config` with its weights read from `folder` (default `config.init_from`), float32.
-    `config` must have the folder's shape (`load_hf_model` reads it; the CLI merges it with the flags)."""
+    """The model of `config` with its weights read from `folder`, float32. `config` must have the folder's
+    shape (`load_hf_model` reads it; the CLI merges it with the flags). Without `folder`, `config.init_from`
+    is read and errors name `--model.init-from`."""
+    flag = "--model.init-from " if folder is None else ""
     folder = Path(config.init_from if folder is None else folder)
     if config.mlp != "swiglu" or config.kind != "dense":
-        raise ConfigError(f"--model.init-from {folder} holds a SwiGLU dense model: --model.mlp must be swiglu "
-                          f"and --model.kind dense (got {config.mlp}, {config.kind})")
+        raise ConfigError(f"{flag}{folder} holds a SwiGLU dense model: --model.mlp must be swiglu and --model.kind "
+                          f"dense (got {config.mlp}, {config.kind})")
     names = [spec.name for spec in tensor_map(config)]
-    return model_from_tensors(config, read_tensors(folder, names), str(folder))
+    try:
+        return model_from_tensors(config, read_tensors(folder, names), str(folder))
+    except ConfigError as e:
+        raise ConfigError(f"{flag}{e}") from None
 
 
 def load_hf_model(path: Path | str) -> tuple[TransformerConfig, Transformer]:
