@@ -297,3 +297,98 @@ def test_init_from_replicas_and_global_model_start_from_the_folder(tmp_path, mak
         for model in models:
             for name, value in hf_tensors(model).items():
                 np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+# -- through the command lines: train, export --format hf, init-from (slow: they train) -----------------------
+
+SMALL_RUN = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
+             "--train.batch-size", "4", "--train.log-every", "1", "--train.eval-sequences", "4",
+             "--diloco.sync-period", "3"]
+
+
+def _bpe_tokenizer(folder: Path, text: str, vocab: int = 300) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainer=trainers.BpeTrainer(
+        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.slow
+def test_a_run_exports_to_hf_with_its_tokenizer_and_transformers_reads_both(hf, tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    from eqx_diloco.lm import prepare
+    from eqx_diloco.lm.data import corpus_bytes
+    from eqx_diloco.lm.export import main as export_main
+    from eqx_diloco.lm.export import restore_global_model
+    from eqx_diloco.lm.train import main as train_main
+
+    text = corpus_bytes(12_000).decode("utf-8", errors="replace")
+    (tmp_path / "corpus.txt").write_text(text)
+    tokenizer = _bpe_tokenizer(tmp_path, text)
+    assert prepare.main([str(tmp_path / "corpus.txt"), str(tmp_path / "tokens.bin"), "--tokenizer", str(tokenizer)]) == 0
+    run = tmp_path / "run"
+    assert train_main([*SMALL_RUN, "--model.mlp", "swiglu", "--model.num-kv-heads", "1", "--train.steps", "6",
+                       "--checkpoint.every", "6", "--data.source", "tokens", "--data.path", str(tmp_path / "tokens.bin"),
+                       "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert export_main([str(run), "--format", "hf"]) == 0
+    assert f"to {run / 'hf'}/ (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)" in \
+        capsys.readouterr().out
+    loaded = hf.transformers.AutoModelForCausalLM.from_pretrained(run / "hf", dtype=hf.torch.float32).eval()
+    model, _, step = restore_global_model(run)
+    assert step == 6 and loaded.config.max_position_embeddings == 16 and loaded.config.num_key_value_heads == 1
+    ids = np.asarray(Tokenizer.from_file(str(tokenizer)).encode("def main():\n    return 0\n").ids)
+    np.testing.assert_allclose(torch_logits(hf, loaded, ids), np.asarray(model(jnp.asarray(ids, jnp.int32))),
+                               atol=1e-4, rtol=0)
+    assert hf.transformers.AutoTokenizer.from_pretrained(run / "hf")("def main():\n    return 0\n",
+                                                                      add_special_tokens=False)["input_ids"] == ids.tolist()
+    # Exporting again into the same folder, and a layout Llama has not: one line each, nothing written.
+    assert export_main([str(run), str(run / "hf"), "--format", "hf"]) == 2
+    assert "already exists and is not an empty folder" in capsys.readouterr().err
+    gelu = tmp_path / "gelu"
+    assert train_main([*SMALL_RUN, "--train.steps", "2", "--checkpoint.every", "2", "--data.source", "synthetic",
+                       "--run-dir", str(gelu)]) == 0
+    capsys.readouterr()
+    assert export_main([str(gelu), str(tmp_path / "gelu-hf"), "--format", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --format hf: --model.mlp gelu has no Llama equivalent (Llama's MLP is --model.mlp swiglu)\n"
+    assert not (tmp_path / "gelu-hf").exists()
+
+
+@pytest.mark.slow
+def test_a_diloco_run_continues_pretraining_from_an_exported_model(tmp_path, capsys):
+    """Pretrain, export to HF, start a DiLoCo run of 2 replicas from the folder with no shape flags: its
+    first losses are where the first run ended, far below a fresh model's, and it keeps learning."""
+    from eqx_diloco.lm.export import main as export_main
+    from eqx_diloco.lm.train import main as train_main
+    from util import read_metrics
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train_main([*SMALL_RUN, "--model.mlp", "swiglu", "--model.num-kv-heads", "1", "--train.steps", "40",
+                       "--train.lr", "1e-2", "--train.warmup-steps", "5", "--checkpoint.every", "40",
+                       "--data.source", "synthetic", "--run-dir", str(first)]) == 0
+    assert export_main([str(first), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    capsys.readouterr()
+    assert train_main([*SMALL_RUN[6:], "--model.init-from", str(tmp_path / "hf"), "--train.steps", "9",
+                       "--checkpoint.every", "0", "--data.source", "synthetic",
+                       "--run-dir", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert f"weights      from {tmp_path / 'hf'} (--model.init-from" in out
+    assert "dense swiglu, 1 key/value heads of 2" in out
+    saved = json.loads((second / "config.json").read_text())["model"]
+    assert (saved["mlp"], saved["num_kv_heads"], saved["num_layers"], saved["dim"]) == ("swiglu", 1, 2, 32)
+    before = [r["loss"] for r in read_metrics(first) if "loss" in r]
+    after = [r["loss"] for r in read_metrics(second) if "loss" in r]
+    assert before[0] > np.log(256) - 0.5 and before[-1] < before[0] - 1.5  # the first run learned
+    # The second starts where the first ended (2.31 against 2.64 when written), not at a fresh model's 5.55.
+    assert abs(after[0] - np.mean(before[-5:])) < 0.6 and after[0] < before[0] - 2, (after[:3], before[-5:])
+    assert np.mean(after[-3:]) < after[0] + 0.2
+    evals = [r["eval_loss"] for r in read_metrics(second) if "eval_loss" in r]
+    assert evals[-1] < before[0] - 1.5
