@@ -392,3 +392,20 @@ def test_a_diloco_run_continues_pretraining_from_an_exported_model(tmp_path, cap
     assert np.mean(after[-3:]) < after[0] + 0.2
     evals = [r["eval_loss"] for r in read_metrics(second) if "eval_loss" in r]
     assert evals[-1] < before[0] - 1.5
+
+
+@pytest.mark.slow  # a fresh interpreter: this one has imported torch for the other tests
+def test_the_package_never_imports_torch_or_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    folder = _write_folder(tmp_path / "m", _swiglu_model())
+    code = ("import sys, eqx_diloco, eqx_diloco.lm, eqx_diloco.lm.train, eqx_diloco.lm.export, eqx_diloco.lm.hf, models; "
+            "from eqx_diloco.lm.hf import load_hf_model, write_hf; "
+            f"config, model = load_hf_model({str(folder)!r}); write_hf(model, {str(tmp_path / 'out')!r}); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')); "
+            "assert not bad, bad[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
