@@ -1,8 +1,9 @@
-"""A Hugging Face model folder's `config.json` as `TransformerConfig` fields, and how they meet the
-`--model` flags (plain Python: the CLI reads it before JAX starts).
+"""The Llama layout's `--model` flags: their rules, and a Hugging Face folder's `config.json` as
+`TransformerConfig` fields and how they meet the flags (plain Python: the CLI reads it before JAX starts).
 
-The folder's config sets the model's shape. A `--model` flag left at its default takes the
-folder's value; a flag given another value must equal it, else `contradiction` names both.
+With `--model.init-from`, the folder's config sets the model's shape. A `--model` flag left at its
+default takes the folder's value; a flag given another value must equal it, else `contradiction`
+names both.
 """
 
 import dataclasses
@@ -142,9 +143,13 @@ _DEFAULTS = TransformerConfig()
 
 
 def fill_from_folder(model: TransformerConfig) -> TransformerConfig:
-    """`model` (a `TransformerConfig` or the CLI's `ModelFlags`, with `init_from` set) whose shape fields left
-    at their defaults (`vocab_size` unset) take the folder's values. Best effort: an unreadable folder leaves
-    `model` as it is (`contradiction` reports it, from `validate`; `Config()` must not raise)."""
+    """`model` (a `TransformerConfig` or the CLI's `ModelFlags`) whose shape fields left at their defaults
+    (`vocab_size` unset) take the values of its `init_from` folder (none: `model` as it is). Best effort: an
+    unreadable folder leaves `model` as it is (`check_layout` reports it, from `validate`; `Config()` must
+    not raise)."""
+    if model.init_from is None:
+        return model
+    model = dataclasses.replace(model, init_from=Path(model.init_from))  # library users may pass a str
     try:
         fields = folder_fields(model.init_from)
     except ConfigError:
@@ -159,6 +164,26 @@ def fill_from_folder(model: TransformerConfig) -> TransformerConfig:
         elif current is None or current == getattr(_DEFAULTS, name):
             changes[name] = value
     return dataclasses.replace(model, **changes)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def check_layout(m: TransformerConfig) -> None:
+    """Raise `ConfigError` (one line naming the flag) for the first rule of the Llama layout's flags, or of
+    `--model.init-from`, that `m` breaks (the CLI's half of `models._config.layout_rule`)."""
+    _require(m.num_kv_heads is None or (m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads == 0),
+             f"--model.num-kv-heads must divide --model.num-heads (got {m.num_kv_heads} and {m.num_heads})")
+    _require(m.ffn_dim is None or m.ffn_dim >= 1, f"--model.ffn-dim must be >= 1 (got {m.ffn_dim})")
+    _require(0 < m.norm_eps < math.inf, f"--model.norm-eps must be a finite number > 0 (got {m.norm_eps})")
+    if m.init_from is not None:
+        _require((problem := contradiction(m)) is None, problem)
+    if m.kind == "moe":
+        _require(m.mlp == "gelu", f"--model.mlp {m.mlp} applies to --model.kind dense (MoE experts are GELU)")
+        _require(m.ffn_dim is None, "--model.ffn-dim applies to --model.kind dense (MoE experts are "
+                 "--model.mlp-ratio x --model.dim wide)")
 
 
 def _flag(name: str) -> str:
