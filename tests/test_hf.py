@@ -168,6 +168,19 @@ def _write_folder(folder: Path, model: Transformer, **config_changes) -> Path:
     return folder
 
 
+def test_bfloat16_shards_load_as_float32(tmp_path):
+    """Published checkpoints are mostly bfloat16: read through ml_dtypes, widened exactly to float32."""
+    import ml_dtypes
+
+    folder = _write_folder(tmp_path / "m", _swiglu_model())
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    _, model = load_hf_model(folder)
+    assert {x.dtype for x in jax.tree.leaves(model)} == {jnp.dtype(jnp.float32)}
+    for name, value in hf_tensors(model).items():
+        np.testing.assert_array_equal(value, tensors[name].astype(np.float32), err_msg=name)
+
+
 @pytest.mark.parametrize("config_changes,message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architecture ['GPT2LMHeadModel'] is not supported"),
     ({"architectures": None, "model_type": "gemma"}, "architecture gemma is not supported"),
