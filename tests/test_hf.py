@@ -422,3 +422,23 @@ def test_the_package_never_imports_torch_or_transformers(tmp_path):
                           cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_checkpoint_resumes_without_init_from_but_not_with_another_shape(tmp_path):
+    """`--model.init-from` gave the first weights only: a rerun may drop it or point elsewhere, as long as
+    the model is the same. Checkpoints written before the Llama-layout fields resume as GELU models."""
+    from eqx_diloco._json import to_jsonable
+    from eqx_diloco.lm.resume import incompatibility
+
+    folder = _write_folder(tmp_path / "m", _swiglu_model())
+    saved = to_jsonable(_flags_config(folder))
+    same = dataclasses.replace(saved_model := _flags_config(folder).model, init_from=None)
+    assert saved_model.mlp == "swiglu"
+    assert incompatibility(saved, Config(model=same, data=DataConfig(source="synthetic"))) is None
+    other = dataclasses.replace(same, num_kv_heads=4)
+    assert "--model.num-kv-heads 2 -> 4" in incompatibility(saved, Config(model=other, data=DataConfig(source="synthetic")))
+    old = to_jsonable(Config())
+    for field in ("mlp", "num_kv_heads", "ffn_dim", "norm_eps", "qkv_bias", "init_from"):
+        del old["model"][field]
+    assert incompatibility(old, Config()) is None
+    assert "--model.mlp gelu -> swiglu" in incompatibility(old, Config(model=TransformerConfig(mlp="swiglu")))
