@@ -442,3 +442,15 @@ def test_a_checkpoint_resumes_without_init_from_but_not_with_another_shape(tmp_p
         del old["model"][field]
     assert incompatibility(old, Config()) is None
     assert "--model.mlp gelu -> swiglu" in incompatibility(old, Config(model=TransformerConfig(mlp="swiglu")))
+
+
+def test_decoupled_islands_and_the_syncer_start_from_the_folder(tmp_path, make_config):
+    """`--decoupled.role island|syncer` build their first model with `initial_model`, as the trainer does."""
+    from eqx_diloco.lm.island import initial_model
+
+    source = _swiglu_model(tie_embeddings=True)
+    folder = _write_folder(tmp_path / "m", source)
+    model = initial_model(dataclasses.replace(make_config(), model=TransformerConfig(init_from=folder)))
+    expected = hf_tensors(source)
+    for name, value in hf_tensors(model).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)

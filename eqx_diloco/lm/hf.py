@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import equinox as eqx
 import jax
@@ -102,21 +102,18 @@ def weight_files(folder: Path) -> dict[str, Path]:
         found = sorted(p.name for p in folder.glob("*.bin")) or sorted(p.name for p in folder.iterdir())[:5]
         raise ConfigError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE} (safetensors weights are read; "
                           f"found {', '.join(found) or 'nothing'})")
-    return dict.fromkeys(_read(single, lambda f: list(f.keys())), single)
-
-
-def _read(path: Path, read: Callable[[Any], Any]) -> Any:
-    """`read(f)` of the opened safetensors file `path`; a file that cannot be read is a one-line `ConfigError`."""
     try:
-        with safe_open(path, framework="numpy") as f:
-            return read(f)
-    except Exception as e:  # noqa: BLE001 - a truncated file, an unknown dtype, safetensors' own SafetensorError
-        raise ConfigError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})".splitlines()[0]) from None
+        with safe_open(single, framework="numpy") as f:
+            return dict.fromkeys(f.keys(), single)
+    except Exception as e:  # noqa: BLE001 - a truncated file or a bad header: safetensors' own SafetensorError
+        raise ConfigError(f"{single} cannot be read as safetensors ({type(e).__name__}: {e})".splitlines()[0]) from None
 
 
-def read_tensors(folder: Path, wanted: list[str]) -> dict[str, np.ndarray]:
-    """The tensors `wanted` from `folder`'s safetensors as float32; any other tensor (bar recomputed
-    buffers, and `lm_head.weight` of a tied model) and any missing one is a one-line `ConfigError`."""
+def read_tensors(folder: Path, wanted: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 array) of each tensor `wanted` from `folder`'s safetensors, one at a time (one file open
+    at a time), so that a caller keeps no more than the model it builds. Any other tensor (bar recomputed
+    buffers, and `lm_head.weight` of a tied model) and any missing one is a one-line `ConfigError`, raised
+    before the first tensor is read."""
     files = weight_files(folder)
     wanted_set = set(wanted)
     extra = [n for n in files if n not in wanted_set and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
@@ -126,38 +123,48 @@ def read_tensors(folder: Path, wanted: list[str]) -> dict[str, np.ndarray]:
     missing = [n for n in wanted if n not in files]
     if missing:
         raise ConfigError(f"{folder}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    return _tensors_by_file(files, wanted)
+
+
+def _tensors_by_file(files: dict[str, Path], wanted: list[str]) -> Iterator[tuple[str, np.ndarray]]:
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
-    out = {}
     for path, names in by_file.items():
-        out.update(_read(path, lambda f, names=names: {n: np.asarray(f.get_tensor(n), np.float32) for n in names}))
-    return out
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for name in names:
+                    value = np.asarray(f.get_tensor(name), np.float32)
+                    yield name, value
+        except Exception as e:  # noqa: BLE001 - a truncated file, an unknown dtype, safetensors' own SafetensorError
+            raise ConfigError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})".splitlines()[0]) from None
 
 
-def model_from_tensors(config: TransformerConfig, tensors: dict[str, np.ndarray], where: str) -> Transformer:
-    """A `Transformer` of `config` whose arrays are `tensors` (Hugging Face names), layers stacked.
-    A tensor of the wrong shape is a one-line `ConfigError` naming it (`where`: its folder)."""
+def model_from_tensors(config: TransformerConfig, tensors: Iterable[tuple[str, np.ndarray]], where: str) -> Transformer:
+    """A `Transformer` of `config` whose arrays are `tensors` ((Hugging Face name, array) pairs, every name of
+    `tensor_map(config)` once), layers stacked. A tensor of the wrong shape is a one-line `ConfigError` naming
+    it (`where`: its folder)."""
     like = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    specs = {spec.name: spec for spec in tensor_map(config)}
     stacked: dict[int, np.ndarray] = {}  # id of the abstract leaf -> the array being filled
     getters: dict[int, Callable] = {}
-    for spec in tensor_map(config):
+    for name, stored in tensors:
+        spec = specs[name]
         leaf = spec.get(like)
-        value = tensors[spec.name].T if spec.transpose else tensors[spec.name]
-        shape = leaf.shape[1:] if spec.layer is not None else leaf.shape
-        if value.shape != tuple(shape):
-            stored = tuple(reversed(shape)) if spec.transpose else tuple(shape)
-            raise ConfigError(f"{where}: tensor {spec.name} has shape {tuple(tensors[spec.name].shape)}, the model "
-                              f"({config_summary(config)}) wants {stored}")
+        shape = tuple(leaf.shape[1:] if spec.layer is not None else leaf.shape)
+        if stored.shape != (tuple(reversed(shape)) if spec.transpose else shape):
+            raise ConfigError(f"{where}: tensor {name} has shape {tuple(stored.shape)}, the model "
+                              f"({config_summary(config)}) wants {tuple(reversed(shape)) if spec.transpose else shape}")
+        value = stored.T if spec.transpose else stored
+        array = stacked.setdefault(id(leaf), np.empty(leaf.shape, np.float32))
         if spec.layer is None:
-            stacked[id(leaf)] = value
+            array[...] = value
         else:
-            array = stacked.setdefault(id(leaf), np.empty(leaf.shape, np.float32))
             array[spec.layer] = value
         getters[id(leaf)] = spec.get
     leaves = list(getters)
     return eqx.tree_at(lambda m: [getters[i](m) for i in leaves], like,
-                       [jnp.asarray(stacked[i], jnp.float32) for i in leaves])
+                       [jnp.asarray(stacked.pop(i)) for i in leaves])
 
 
 def config_summary(config: TransformerConfig) -> str:
