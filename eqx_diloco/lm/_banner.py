@@ -84,6 +84,10 @@ def setup_lines(config) -> list[str]:
     d, t, m = config.diloco, config.train, config.model
     count, nbytes = model_size(config)
     kind = "mixture-of-experts" if m.kind == "moe" else "dense"
+    if m.mlp == "swiglu" or m.kv_heads != m.num_heads:  # the Llama layout
+        kind += f" {m.mlp}, {m.kv_heads} key/value heads of {m.num_heads}"
+    weights = [] if m.init_from is None else [f"  weights      from {m.init_from} (--model.init-from; its config.json "
+                                              "set the model's shape)"]
     K = config.mesh.replicas_per_device
     shared = f", {K} replicas per device (vmapped)" if K > 1 else ""
     inner = "".join(f" x {axis}={n}" for axis, n in (("fsdp", config.mesh.fsdp), ("tensor", config.mesh.tensor)) if n > 1)
@@ -107,6 +111,7 @@ def setup_lines(config) -> list[str]:
         f"  model        {kind}, {m.num_layers} layers, width {m.dim}, vocab {m.vocab_size}: "
         f"{_count(count)} parameters ({format_bytes(nbytes)})",
         *vocab,
+        *weights,
         f"  mesh         {mesh}",
         *_link_lines(),
         f"  data         {data}; {d.num_replicas} x {t.batch_size} sequences x {t.seq_len} tokens "

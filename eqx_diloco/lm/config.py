@@ -13,6 +13,7 @@ from models._config import attention_rule
 from .._arguments import check_arguments
 from .._errors import ConfigError
 from ._decoupled_config import DecoupledConfig, validate_decoupled
+from ._hf_config import check_layout, fill_from_folder
 from ._flags import FLAGS, check_backend, flag_names  # noqa: F401  (re-exported: the CLI's flag names)
 
 Algorithm = Literal["diloco", "ddp"]
@@ -252,6 +253,7 @@ class Config:
     def __post_init__(self):
         # Library users write Config(run_dir="runs/x"): keep paths as Paths whatever they pass.
         object.__setattr__(self, "run_dir", Path(self.run_dir))
+        object.__setattr__(self, "model", fill_from_folder(self.model))  # --model.init-from's shape
         # `--model.vocab-size` not given: the token file's own vocabulary, so a 2,000-id tokenizer does not get
         # a 32,000-row embedding (an explicit flag smaller than the file's vocab_size is refused in `open_tokens`).
         if isinstance(self.model, ModelFlags) or self.model.vocab_size is None:
@@ -332,6 +334,7 @@ def validate(config: Config) -> None:
              f"--model.dim must be divisible by --model.num-heads (got {m.dim} and {m.num_heads})")
     _require((m.dim // m.num_heads) % 2 == 0,
              f"--model.dim / --model.num-heads must be even for rotary embeddings (got {m.dim // m.num_heads})")
+    check_layout(m)  # --model.mlp, --model.num-kv-heads, ..., --model.init-from
     _require(m.scan_unroll == "auto" or (type(m.scan_unroll) is int and m.scan_unroll >= 0),
              f"--model.scan-unroll must be auto or an int >= 0 (0 = all layers; got {m.scan_unroll})")
     if m.attention == "cudnn" and m.dtype != "auto":  # the backend's half of the rule: `check_backend`
