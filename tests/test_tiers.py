@@ -9,7 +9,7 @@ import eqx_diloco.lm
 PACKAGE = Path(eqx_diloco.__file__).parent
 # `python -m eqx_diloco.train` etc.: entry points of the application kept at short paths; their
 # bodies run only as `__main__` (checked below), so importing them loads nothing.
-ENTRY_POINTS = {"train.py", "launch.py", "plot.py", "prepare.py", "sample.py", "export.py"}
+ENTRY_POINTS = {"train.py", "launch.py", "plot.py", "prepare.py", "sample.py", "export.py", "evaluate.py"}
 APPLICATION = ("eqx_diloco.lm", "models", "tyro", "rich", "matplotlib", "tensorboardX")
 
 
