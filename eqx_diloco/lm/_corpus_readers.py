@@ -195,7 +195,8 @@ def _jsonl_pieces(file: Path, at: Position, text_field: str) -> Iterator[Piece]:
         raise PrepareError(f"{file} holds no documents (an empty jsonl shard)")
 
 
-def _parquet_pieces(file: Path, at: Position, size: int, text_field: str) -> Iterator[Piece]:
+def _open_parquet(file: Path, text_field: str):
+    """`file` as a `pyarrow.parquet.ParquetFile` whose `text_field` is a string column holding rows."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -205,18 +206,34 @@ def _parquet_pieces(file: Path, at: Position, size: int, text_field: str) -> Ite
         parquet = pq.ParquetFile(file)
     except (OSError, pa.ArrowException) as e:
         raise PrepareError(f"{file} is not a readable parquet file: {str(e).splitlines()[0]}") from None
-    with parquet:
-        schema = parquet.schema_arrow
-        if text_field not in schema.names:
-            columns = ", ".join(schema.names[:8]) or "none"
-            raise PrepareError(f"{file} has no column {text_field!r} (its columns: {columns}; choose one with "
-                               f"--text-field)")
-        kind = schema.field(text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise PrepareError(f"{file}: column {text_field!r} is {kind}, not a string column")
+    schema = parquet.schema_arrow
+    if text_field not in schema.names:
+        parquet.close()
+        columns = ", ".join(schema.names[:8]) or "none"
+        raise PrepareError(f"{file} has no column {text_field!r} (its columns: {columns}; choose one with --text-field)")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        parquet.close()
+        raise PrepareError(f"{file}: column {text_field!r} is {kind}, not a string column")
+    if parquet.metadata.num_rows == 0:
+        parquet.close()
+        raise PrepareError(f"{file} holds no documents (an empty parquet shard)")
+    return parquet
+
+
+def check_parquet_schemas(inputs: list[tuple[Path, str]], text_field: str) -> None:
+    """Refuse, before anything is encoded, a parquet shard whose footer shows it cannot be read (no such column,
+    not a string column, no rows): a folder of shards with mixed schemas fails at once, not hours in."""
+    for file, fmt in inputs:
+        if fmt == "parquet":
+            _open_parquet(file, text_field).close()
+
+
+def _parquet_pieces(file: Path, at: Position, size: int, text_field: str) -> Iterator[Piece]:
+    import pyarrow as pa
+
+    with _open_parquet(file, text_field) as parquet:
         total = parquet.metadata.num_rows
-        if total == 0:
-            raise PrepareError(f"{file} holds no documents (an empty parquet shard)")
         # Start at the row group holding row `at.offset`, and skip the rows before it inside that group.
         row, group = 0, 0
         while group < parquet.num_row_groups and row + parquet.metadata.row_group(group).num_rows <= at.offset:

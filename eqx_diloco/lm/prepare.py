@@ -35,7 +35,8 @@ from typing import Iterator
 import crc32c
 import numpy as np
 
-from ._corpus_readers import FORMATS, Piece, Position, PrepareError, list_inputs, read_pieces
+from ._corpus_readers import (FORMATS, Piece, Position, PrepareError, check_parquet_schemas, list_inputs,
+                              read_pieces)
 from .data import write_scan_cache
 from .token_shards import (FOLDER_META_NAME, FOLDER_TOKENIZER_NAME, PROGRESS_NAME, TOKEN_FOLDER_FORMAT,
                            shard_name)
@@ -292,6 +293,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
         raise PrepareError(f"--format must be auto, {', '.join(FORMATS)} (got {fmt})")
     inputs = list_inputs(text_path, fmt)
     check_outputs(text_path, out)
+    check_parquet_schemas(inputs, text_field)
     if threads is not None:
         os.environ["RAYON_NUM_THREADS"] = str(threads)
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
@@ -303,7 +305,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
     dtype_name = "uint16" if vocab_size <= 1 << 16 else "uint32"
     dtype = np.dtype(dtype_name).newbyteorder("<")
     shard_tokens = max(1, shard_bytes // dtype.itemsize)
-    piece_bytes = max(1, min(PIECE_BYTES, chunk_bytes))
+    piece_bytes = PIECE_BYTES
     try:
         stats = [f.stat() for f, _ in inputs]
     except OSError as e:
@@ -335,6 +337,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
     resumed = len(shards)
 
     writer = _ShardWriter(out, dtype, shard_tokens, fingerprint, shards)
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         for stale in out.glob("*.partial"):  # left by an interrupted run: never renamed into place
@@ -375,11 +378,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
             if progress is not None:
                 last = batch[-1].after.file
                 progress(sum(sizes[:last]) + batch[-1].done_bytes, total, documents, num_tokens)
-        if num_tokens == 0:  # nothing worth resuming: leave no folder behind
-            for written in (copy, out / PROGRESS_NAME):
-                written.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                out.rmdir()
+        if num_tokens == 0:
             raise PrepareError(f"TEXT_PATH holds no text to tokenize: {text_path}")
         writer.close({"position": position.to_json(), "skip": 0, "documents": documents})
         meta = {
@@ -399,11 +398,25 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
         }
         _write_json(out / FOLDER_META_NAME, meta)
         (out / PROGRESS_NAME).unlink()
+    except PrepareError:
+        writer.abandon()
+        if not writer.shards:  # nothing worth resuming: leave no folder behind
+            _remove_unstarted(out, created)
+        raise
     except OSError as e:  # an unwritable or full output folder: one line, not a traceback
         raise PrepareError(f"cannot write OUT: {e.filename or out}: {e.strerror}") from None
     finally:
         writer.abandon()
     return {**meta, "resumed_shards": resumed, "already_complete": False}
+
+
+def _remove_unstarted(out: Path, created: bool) -> None:
+    """Remove what a run that completed no shard wrote: the tokenizer's copy, the progress file, and OUT if it made it."""
+    with contextlib.suppress(OSError):
+        for written in (out / FOLDER_TOKENIZER_NAME, out / PROGRESS_NAME):
+            written.unlink(missing_ok=True)
+        if created:
+            out.rmdir()
 
 
 class _Progress:
