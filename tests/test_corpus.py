@@ -4,6 +4,7 @@ one-line refusals of bad corpora, and `sample` printing text with the tokens' to
 
 import gzip
 import json
+import re
 import os
 import signal
 import subprocess
@@ -445,3 +446,22 @@ def test_sample_prints_text_with_the_runs_tokenizer(tmp_path, tokenizer_path, to
     err = capsys.readouterr().err
     assert err == f"error: the tokenizer has {VOCAB} tokens, more than the model's vocabulary of {VOCAB - 10}: it is " \
                   "not the model's tokenizer\n"
+
+
+def test_docs_name_every_prepare_flag_and_no_other():
+    """docs/data.md's flag table is prepare's parser, flag for flag, with the same defaults where they are
+    numbers; and it documents sample's --tokenizer."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    table = doc[doc.index("### Flags") : doc.index("### Interrupted runs")]
+    documented = dict(re.findall(r"^\| `(--[a-z-]+)` \| ([^|]+) \|", table, re.M))
+    captured = {a.option_strings[0]: a.default for a in prepare.build_parser()._actions
+                if a.option_strings and a.option_strings[0] != "-h"}
+    assert set(documented) == set(captured)
+    for flag, default in captured.items():
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert documented[flag].strip() == f"{default:g}", flag
+        elif isinstance(default, str):
+            assert documented[flag].strip() == f"`{default}`", flag
+    assert "`--tokenizer`, a `tokenizer.json` or a token folder" in doc

@@ -9,9 +9,12 @@ space, never inside a UTF-8 character); a jsonl line or a parquet row is one doc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
+import queue
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -193,6 +196,50 @@ def _jsonl_pieces(file: Path, at: Position, text_field: str) -> Iterator[Piece]:
             raise PrepareError(f"cannot read {file} near line {line}: {e}") from None
     if at.offset == 0 and documents == 0:
         raise PrepareError(f"{file} holds no documents (an empty jsonl shard)")
+
+
+def batches(pieces: Iterator[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
+    batch, size = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece.text)
+        if size >= batch_bytes or len(batch) >= 4096:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def read_ahead(batches: Iterator[list[Piece]], depth: int = 2) -> Iterator[list[Piece]]:
+    """`batches`, read and parsed on a background thread while the tokenizer encodes the previous ones (it
+    releases the GIL): reading, JSON and parquet decoding no longer wait for the encoding, nor it for them."""
+    slots: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    with contextlib.suppress(queue.Full):
+                        slots.put(batch, timeout=0.1)
+                        break
+                if stop.is_set():
+                    return
+            slots.put(done)
+        except BaseException as e:  # handed to the consumer, which raises it
+            slots.put(e)
+
+    # A daemon thread: an interrupted run must not wait for it at exit.
+    thread = threading.Thread(target=produce, name="prepare-reader", daemon=True)
+    thread.start()
+    try:
+        while (item := slots.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
 
 
 def _open_parquet(file: Path, text_field: str):

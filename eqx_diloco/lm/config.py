@@ -118,7 +118,7 @@ class DataConfig:
     """Where tokens come from."""
 
     source: Literal["corpus", "text", "tokens", "synthetic"] = "corpus"
-    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a flat binary file of uint16 or uint32 token ids, memory-mapped, with `<file>.json` giving its dtype and vocab_size, as written by `python -m eqx_diloco.prepare`) or `synthetic` (a learnable pattern, for tests)."""
+    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a token folder written by `python -m eqx_diloco.prepare`: shards of uint16 or uint32 ids read as one stream, memory-mapped, with `tokens.json` giving dtype and vocab_size; or a single such file with `<file>.json`) or `synthetic` (a learnable pattern, for tests)."""
     path: Path | None = None
     """the file or folder for `text` and `tokens`."""
     eval_fraction: float = 0.05

@@ -20,30 +20,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
-import queue
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
-import crc32c
 import numpy as np
 
-from ._corpus_readers import (FORMATS, Piece, Position, PrepareError, check_parquet_schemas, list_inputs,
-                              read_pieces)
-from .data import write_scan_cache
-from .token_shards import (FOLDER_META_NAME, FOLDER_TOKENIZER_NAME, PROGRESS_NAME, TOKEN_FOLDER_FORMAT,
-                           shard_name)
+from ._corpus_readers import (FORMATS, Position, PrepareError, batches, check_parquet_schemas, list_inputs,
+                              read_ahead, read_pieces)
+from ._shard_writer import ShardWriter, fsynced_replace, resume_state, sha256, write_json
+from .token_shards import FOLDER_META_NAME, FOLDER_TOKENIZER_NAME, PROGRESS_NAME, TOKEN_FOLDER_FORMAT
 
 __all__ = ["PrepareError", "prepare", "main", "choose_eos", "load_tokenizer"]
 
-PROGRESS_FORMAT = "eqx_diloco.prepare-progress/1"
 # Largest piece of a text file encoded as one string: pieces are what the tokenizer's threads share out.
 PIECE_BYTES = 1 << 16
 # The end-of-text tokens of common tokenizers (GPT-2 and Qwen, Llama 3, Llama 2 and Mistral, Gemma), in that order.
@@ -119,164 +112,6 @@ def check_outputs(text_path: Path, out: Path) -> None:
             raise PrepareError(f"OUT/{name} is a folder: {out / name} (prepare writes a file there)")
 
 
-def _fsynced_replace(partial: Path, final: Path) -> None:
-    with partial.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(partial, final)
-
-
-def _write_json(path: Path, value: dict) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1) + "\n")
-    _fsynced_replace(partial, path)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _shard_crc(path: Path) -> int:
-    value = 0
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            value = crc32c.crc32c(block, value)
-    return value
-
-
-class _ShardWriter:
-    """Writes the token stream into shards of `shard_tokens`, each renamed into place when full and flushed,
-    and records after each one what was written and where the next shard starts (the progress file).
-
-    A shard starts at (`position`, `skip`, `documents`): the batch read from `position`, less its first `skip`
-    tokens, with `documents` documents before it. Encoding is deterministic, so that is enough to resume."""
-
-    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, fingerprint: dict, shards: list[dict]):
-        self.out, self.dtype, self.shard_tokens, self.fingerprint = out, dtype, shard_tokens, fingerprint
-        self.shards = shards
-        self.file = None
-
-    def write(self, ids: np.ndarray, position: Position, skip: int, document_ends: np.ndarray, documents: int) -> None:
-        """`ids`: the batch read from `position`; its first `skip` were written before. `document_ends`: the
-        offsets in `ids` just after each document's end; `documents`: documents before the batch."""
-        done = skip
-        while done < len(ids):
-            if self.file is None:
-                self._open(position, done, documents + int(np.searchsorted(document_ends, done, side="right")))
-            take = min(len(ids) - done, self.shard_tokens - self.count)
-            part = ids[done : done + take]
-            data = part.tobytes()
-            self.file.write(data)
-            self.crc = crc32c.crc32c(data, self.crc)
-            self.count += take
-            self.largest = max(self.largest, int(part.max()))
-            done += take
-            if self.count == self.shard_tokens:
-                after = documents + int(np.searchsorted(document_ends, done, side="right"))
-                self.close({"position": position.to_json(), "skip": done, "documents": after})
-
-    def _open(self, position: Position, skip: int, documents: int) -> None:
-        name = shard_name(len(self.shards))
-        self.partial = self.out / f"{name}.partial"
-        self.file = self.partial.open("wb")
-        self.start = {"position": position.to_json(), "skip": skip, "documents": documents}
-        self.count, self.crc, self.largest = 0, 0, 0
-
-    def close(self, next_start: dict) -> None:
-        """Finish the open shard (if any), and record that reading continues at `next_start`."""
-        if self.file is not None:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            self.file = None
-            final = self.out / shard_name(len(self.shards))
-            os.replace(self.partial, final)
-            write_scan_cache(final, self.dtype.name, self.largest)
-            self.shards.append({"file": final.name, "num_tokens": self.count, "max_id": self.largest,
-                                "crc32c": self.crc, "start": self.start})
-        _write_json(self.out / PROGRESS_NAME, {"format": PROGRESS_FORMAT, "prepare": self.fingerprint,
-                                               "shards": self.shards, "next": next_start})
-
-    def abandon(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-            with contextlib.suppress(OSError):
-                self.partial.unlink()
-
-
-def _resume_state(out: Path, fingerprint: dict, itemsize: int) -> tuple[list[dict], dict]:
-    """The shards of an interrupted run on OUT that verify (size and CRC-32C), and where reading continues."""
-    try:
-        record = json.loads((out / PROGRESS_NAME).read_text())
-        if not isinstance(record, dict) or record.get("format") != PROGRESS_FORMAT:
-            raise ValueError("not a progress file")
-        Position.from_json(record["next"]["position"])
-        shards, next_start = list(record["shards"]), record["next"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        raise PrepareError(f"{out / PROGRESS_NAME} is damaged: remove OUT {out} and prepare again") from None
-    if record.get("prepare") != fingerprint:
-        changed = sorted(k for k in fingerprint if fingerprint[k] != (record.get("prepare") or {}).get(k))
-        raise PrepareError(f"OUT {out} holds an unfinished prepare of other inputs or options ({', '.join(changed)} "
-                           f"differ): remove it, or choose another OUT")
-    for k, shard in enumerate(shards):
-        path = out / shard_name(k)
-        try:
-            intact = (path.stat().st_size == shard["num_tokens"] * itemsize and _shard_crc(path) == shard["crc32c"])
-        except OSError:
-            intact = False
-        if not intact:  # this shard and the ones after it are written again
-            return shards[:k], shard["start"]
-    return shards, next_start
-
-
-def _batches(pieces: Iterator[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
-    batch, size = [], 0
-    for piece in pieces:
-        batch.append(piece)
-        size += len(piece.text)
-        if size >= batch_bytes or len(batch) >= 4096:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _read_ahead(batches: Iterator[list[Piece]], depth: int = 2) -> Iterator[list[Piece]]:
-    """`batches`, read and parsed on a background thread while the tokenizer encodes the previous ones (it
-    releases the GIL): reading, JSON and parquet decoding no longer wait for the encoding, nor it for them."""
-    slots: queue.Queue = queue.Queue(depth)
-    stop = threading.Event()
-    done = object()
-
-    def produce():
-        try:
-            for batch in batches:
-                while not stop.is_set():
-                    with contextlib.suppress(queue.Full):
-                        slots.put(batch, timeout=0.1)
-                        break
-                if stop.is_set():
-                    return
-            slots.put(done)
-        except BaseException as e:  # handed to the consumer, which raises it
-            slots.put(e)
-
-    # A daemon thread: an interrupted run must not wait for it at exit.
-    thread = threading.Thread(target=produce, name="prepare-reader", daemon=True)
-    thread.start()
-    try:
-        while (item := slots.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-
-
 def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, *, text_field: str = "text",
             fmt: str = "auto", eos: str | None = None, shard_bytes: int = 256 << 20, chunk_bytes: int = 1 << 20,
             threads: int | None = None, progress=None) -> dict:
@@ -316,7 +151,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
     fingerprint = {
         "inputs": [[str(f.relative_to(root)), kind, s.st_size, s.st_mtime_ns] for (f, kind), s in zip(inputs, stats)],
         "text_field": text_field,
-        "tokenizer_sha256": _sha256(tokenizer_path),
+        "tokenizer_sha256": sha256(tokenizer_path),
         "eos_id": end_of_text.token_id,
         "dtype": dtype_name,
         "shard_tokens": shard_tokens,
@@ -331,21 +166,21 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
                            f"choose another OUT")
     shards, start = [], {"position": Position().to_json(), "skip": 0, "documents": 0}
     if (out / PROGRESS_NAME).is_file():
-        shards, start = _resume_state(out, fingerprint, dtype.itemsize)
+        shards, start = resume_state(out, fingerprint, dtype.itemsize)
     elif out.is_dir() and any(out.iterdir()):
         raise PrepareError(f"OUT {out} is a folder holding other files: give a new or empty folder")
     resumed = len(shards)
 
-    writer = _ShardWriter(out, dtype, shard_tokens, fingerprint, shards)
+    writer = ShardWriter(out, dtype, shard_tokens, fingerprint, shards)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         for stale in out.glob("*.partial"):  # left by an interrupted run: never renamed into place
             stale.unlink()
         copy = out / FOLDER_TOKENIZER_NAME
-        if not copy.is_file() or _sha256(copy) != fingerprint["tokenizer_sha256"]:
+        if not copy.is_file() or sha256(copy) != fingerprint["tokenizer_sha256"]:
             shutil.copyfile(tokenizer_path, out / f"{FOLDER_TOKENIZER_NAME}.partial")
-            _fsynced_replace(out / f"{FOLDER_TOKENIZER_NAME}.partial", copy)
+            fsynced_replace(out / f"{FOLDER_TOKENIZER_NAME}.partial", copy)
         # The stream from `position` on is the same however it is batched: `skip_left` of its tokens were written.
         position, skip_left = Position.from_json(start["position"]), start["skip"]
         documents = start["documents"]
@@ -353,7 +188,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
         # Tokens of the document being read (a text file spans pieces): an empty document gets no end-of-text.
         document_tokens = 1 if position.offset > 0 and inputs[position.file][1] == "text" else 0
         pieces = read_pieces(inputs, sizes, position, text_field=text_field, piece_bytes=piece_bytes)
-        for batch in _read_ahead(_batches(pieces, chunk_bytes)):
+        for batch in read_ahead(batches(pieces, chunk_bytes)):
             encodings = tokenizer.encode_batch_fast([p.text for p in batch], add_special_tokens=False)
             parts, ends, count = [], [], 0
             for piece, encoding in zip(batch, encodings):
@@ -396,7 +231,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
             "shards": [{k: s[k] for k in ("file", "num_tokens", "max_id", "crc32c")} for s in writer.shards],
             "prepare": fingerprint,
         }
-        _write_json(out / FOLDER_META_NAME, meta)
+        write_json(out / FOLDER_META_NAME, meta)
         (out / PROGRESS_NAME).unlink()
     except PrepareError:
         writer.abandon()
@@ -462,7 +297,8 @@ def _default_threads() -> int:
     return os.cpu_count() or 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m eqx_diloco.prepare`."""
     parser = argparse.ArgumentParser(
         prog="python -m eqx_diloco.prepare",
         description="Tokenize a corpus (text, jsonl or parquet; a file or a folder of shards) with a Hugging Face "
@@ -483,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-mb", type=float, default=1.0, help="text encoded per batch (default 1 MB)")
     parser.add_argument("--threads", type=int, default=None,
                         help="the tokenizer's encoding threads (default: the CPUs this process may use)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     # Written so that NaN fails too; the upper bound keeps one batch's buffers allocatable.
     if not 0 < args.chunk_mb <= 1024:
         print(f"error: --chunk-mb must be > 0 and <= 1024 (got {args.chunk_mb})", file=sys.stderr)
