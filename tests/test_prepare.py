@@ -50,7 +50,11 @@ def stream(out) -> np.ndarray:
     return np.concatenate([np.fromfile(out / s["file"], dtype) for s in meta["shards"]])
 
 
-def test_prepare_writes_uint16_ids_and_metadata(tmp_path, tokenizer_path, text_file, capsys):
+def test_prepare_writes_uint16_ids_and_metadata(tmp_path, tokenizer_path, capsys):
+    text = TEXT[:6000]  # under 8 KB: one piece, encoded as a whole
+    assert len(text.encode()) < prepare.PIECE_BYTES
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text(text, encoding="utf-8")
     out = tmp_path / "data" / "tokens"
     assert prepare.main([str(text_file), str(out), "--tokenizer", str(tokenizer_path), "--chunk-mb", "100"]) == 0
     captured = capsys.readouterr()
@@ -59,7 +63,7 @@ def test_prepare_writes_uint16_ids_and_metadata(tmp_path, tokenizer_path, text_f
     meta = json.loads((out / "tokens.json").read_text())
     tok = Tokenizer.from_file(str(tokenizer_path))
     eos = tok.token_to_id("<|endoftext|>")
-    expected = tok.encode(TEXT, add_special_tokens=False).ids + [eos]  # the tokenizer's own end-of-text
+    expected = tok.encode(text, add_special_tokens=False).ids + [eos]  # the tokenizer's own end-of-text
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == VOCAB and meta["num_tokens"] == len(expected)
     assert meta["eos_id"] == eos and meta["eos_token"] == "<|endoftext|>" and meta["num_documents"] == 1
     assert (out / "shard-00000.bin").stat().st_size == 2 * len(expected)
