@@ -16,8 +16,8 @@ rotated, so the copies are not byte-identical), up to 2 GB. Nothing is downloade
 
 The machine may be shared: the load average before and after each run is recorded beside it.
 
-    python -m benchmarks.prepare                       # 16 MB for the rate; 64 MB, 256 MB, 1 GB for memory
-    python -m benchmarks.prepare --full                # 64 MB for the rate; 128 MB, 512 MB, 2 GB for memory
+    python -m benchmarks.prepare                       # 8 MB for the rate; 32 MB, 128 MB for memory
+    python -m benchmarks.prepare --full                # 16 MB for the rate; 128 MB, 512 MB, 2 GB for memory
     python -m benchmarks.prepare --smoke               # seconds (tests)
 
 Results: `--out-dir` (default runs/benchmarks/prepare_<mode>), prepare.json and prepare.md.
@@ -41,10 +41,10 @@ import numpy as np
 
 from benchmarks import _common as common
 
-MODES = {  # (MB of text for the rate, MB of jsonl per memory point, repeats)
+MODES = {  # (MB of text for the rate, MB of text per memory point, repeats)
     "smoke": (1, (2, 4), 1),
-    "quick": (16, (64, 256, 1024), 3),
-    "full": (64, (128, 512, 2048), 3),
+    "quick": (8, (32, 128), 2),
+    "full": (16, (128, 512, 2048), 3),
 }
 SHARD_BYTES = 64 << 20
 BLOCK = 1 << 16
