@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.mode or "quick"
     rate_mb, memory_mb, repeats = MODES[mode]
     out_dir = args.out_dir or common.default_out_dir("prepare", mode)
+    revision = common.revision()  # the code that runs, read before the runs (they take minutes)
     work = Path(tempfile.mkdtemp(prefix="prepare-bench-", dir=args.work_dir))
     try:
         tokenizer = work / "tokenizer.json"
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(runs)
-    result = {"benchmark": "prepare", "mode": mode, "revision": common.revision(), "machine": machine(),
+    result = {"benchmark": "prepare", "mode": mode, "revision": revision, "machine": machine(),
               "rate_text_bytes": size, "summary": summary, "runs": runs, "memory": memory}
     common.write_json(out_dir / "prepare.json", result)
     common.write_text(out_dir / "prepare.md", markdown(result))
