@@ -260,6 +260,17 @@ def test_a_damaged_kept_shard_is_written_again(tmp_path, tokenizer_path, capsys)
     assert f"OUT {out} holds a finished token folder of other inputs or options" in err
 
 
+def test_a_run_stopped_before_its_first_shard_starts_again(tmp_path, tokenizer_path):
+    write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCUMENTS])
+    prepare.prepare(tmp_path / "c.jsonl", tmp_path / "whole", tokenizer_path)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupt):  # at the first batch, inside the first (and only) shard
+        prepare.prepare(tmp_path / "c.jsonl", out, tokenizer_path, chunk_bytes=2000, progress=interrupted_after(0, out))
+    assert sorted(p.name for p in out.iterdir()) == ["prepare-progress.json", "tokenizer.json"]
+    meta = prepare.prepare(tmp_path / "c.jsonl", out, tokenizer_path)
+    assert meta["resumed_shards"] == 0 and stream(out).tolist() == stream(tmp_path / "whole").tolist()
+
+
 def test_an_unfinished_run_of_other_options_is_not_continued(tmp_path, tokenizer_path, capsys):
     write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCUMENTS])
     out = tmp_path / "out"

@@ -217,18 +217,22 @@ def read_ahead(batches: Iterator[list[Piece]], depth: int = 2) -> Iterator[list[
     stop = threading.Event()
     done = object()
 
+    def offer(item) -> bool:
+        """Hand `item` over unless the consumer has stopped (then it is dropped: False)."""
+        while not stop.is_set():
+            with contextlib.suppress(queue.Full):
+                slots.put(item, timeout=0.1)
+                return True
+        return False
+
     def produce():
         try:
             for batch in batches:
-                while not stop.is_set():
-                    with contextlib.suppress(queue.Full):
-                        slots.put(batch, timeout=0.1)
-                        break
-                if stop.is_set():
+                if not offer(batch):
                     return
-            slots.put(done)
+            offer(done)
         except BaseException as e:  # handed to the consumer, which raises it
-            slots.put(e)
+            offer(e)
 
     # A daemon thread: an interrupted run must not wait for it at exit.
     thread = threading.Thread(target=produce, name="prepare-reader", daemon=True)

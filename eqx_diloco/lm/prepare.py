@@ -185,6 +185,7 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
             fsynced_replace(out / f"{FOLDER_TOKENIZER_NAME}.partial", copy)
         # The stream from `position` on is the same however it is batched: `skip_left` of its tokens were written.
         position, skip_left = Position.from_json(start["position"]), start["skip"]
+        writer.close(start)  # a progress record from the start: a run stopped before its first shard resumes too
         documents = start["documents"]
         num_tokens, total = sum(s["num_tokens"] for s in shards), sum(sizes)
         # Tokens of the document being read (a text file spans pieces): an empty document gets no end-of-text.
@@ -321,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-mb", type=float, default=256.0, help="largest shard written (default 256 MB)")
     parser.add_argument("--chunk-mb", type=float, default=0.25, help="text encoded per batch (default 0.25 MB)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="the tokenizer's encoding threads (default: the CPUs this process may use)")
+                        help="the tokenizer's encoding threads (default: $RAYON_NUM_THREADS if set, else the CPUs "
+                             "this process may use)")
     return parser
 
 
@@ -337,11 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None and not 1 <= args.threads <= 1024:
         print(f"error: --threads must be >= 1 and <= 1024 (got {args.threads})", file=sys.stderr)
         return 2
+    # Without --threads, a RAYON_NUM_THREADS the user set stands; else every CPU this process may use.
+    threads = args.threads or (None if "RAYON_NUM_THREADS" in os.environ else _default_threads())
     progress = _Progress()
     try:
         meta = prepare(args.text_path, args.out, args.tokenizer, text_field=args.text_field, fmt=args.format,
                        eos=args.eos, shard_bytes=int(args.shard_mb * 1e6), chunk_bytes=max(1, int(args.chunk_mb * 1e6)),
-                       threads=args.threads or _default_threads(), progress=progress)
+                       threads=threads, progress=progress)
     except PrepareError as e:
         progress.close()
         print(f"error: {e}", file=sys.stderr)
