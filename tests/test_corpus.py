@@ -476,3 +476,18 @@ def test_docs_name_every_prepare_flag_and_no_other():
         elif isinstance(default, str):
             assert documented[flag].strip() == f"`{default}`", flag
     assert "`--tokenizer`, a `tokenizer.json` or a token folder" in doc
+
+
+def test_the_run_summary_hints_a_text_prompt_when_the_tokens_name_a_tokenizer(tmp_path, tokenizer_path):
+    from eqx_diloco.lm._banner import _sample_prompt
+    from eqx_diloco.lm.config import Config
+    from models import TransformerConfig
+
+    text = tmp_path / "t.txt"
+    text.write_text(SOURCE[:2000])
+    prepare.prepare(text, tmp_path / "tokens", tokenizer_path)
+    config = Config(model=TransformerConfig(vocab_size=VOCAB), data=DataConfig(source="tokens", path=tmp_path / "tokens"))
+    assert _sample_prompt(config) == ""  # sample's default prompt is text, read with the tokenizer
+    (tmp_path / "tokens" / "tokenizer.json").unlink()
+    first = int(stream(tmp_path / "tokens")[0])
+    assert _sample_prompt(config) == f" --prompt {first}    # token ids in, token ids out"
