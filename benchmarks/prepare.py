@@ -11,13 +11,15 @@ rotated, so the copies are not byte-identical), up to 2 GB. Nothing is downloade
    count: a loop over lines makes more tokens, because BPE merges a newline with the next line's
    indentation only when it sees both), MB/s of text, and the ratios to the loop.
 2. Memory. `prepare --threads 2` on folders of 64 MB jsonl shards (documents of 2-6 KB) of
-   growing size: the peak resident memory of its process (ru_maxrss), which should not grow
-   with the corpus.
+   growing size: the peak resident memory of its process (VmHWM), which should not grow
+   with the corpus, and its resident memory sampled every 2 s against the bytes it has read
+   (`/proc/PID/io` rchar). A point that outlasts its time box is stopped with SIGINT (prepare
+   keeps its shards) and reported as stopped, with the bytes it had read.
 
 The machine may be shared: the load average before and after each run is recorded beside it.
 
     python -m benchmarks.prepare                       # 8 MB for the rate; 32 MB, 128 MB for memory
-    python -m benchmarks.prepare --full                # 16 MB for the rate; 128 MB, 512 MB, 2 GB for memory
+    python -m benchmarks.prepare --full                # 8 MB for the rate; 128 MB and 2 GB for memory
     python -m benchmarks.prepare --smoke               # seconds (tests)
 
 Results: `--out-dir` (default runs/benchmarks/prepare_<mode>), prepare.json and prepare.md.
@@ -28,8 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,10 +43,10 @@ import numpy as np
 
 from benchmarks import _common as common
 
-MODES = {  # (MB of text for the rate, MB of text per memory point, repeats)
-    "smoke": (1, (2, 4), 1),
-    "quick": (8, (32, 128), 2),
-    "full": (16, (128, 512, 2048), 3),
+MODES = {  # (MB of text for the rate, MB of text per memory point, repeats, time box of a memory point in s)
+    "smoke": (1, (2, 4), 1, 600),
+    "quick": (8, (32, 128), 2, 600),
+    "full": (8, (128, 2048), 3, 2700),
 }
 SHARD_BYTES = 64 << 20
 BLOCK = 1 << 16
@@ -119,14 +121,14 @@ def write_jsonl_corpus(folder: Path, total: int) -> None:
 
 
 def child(mode: str, source: str, tokenizer: str, out: str, threads: int) -> None:
-    """Run one way in this process and print {"tokens", "seconds", "cpu_seconds", "max_rss_bytes"} as JSON."""
-    start_cpu = time.process_time()
+    """Run one way in this process and print {"tokens", "seconds", "cpu_seconds", "max_rss_bytes"} as JSON (the
+    seconds of the work alone: the imports are not counted; CPU seconds are those of all the process's threads)."""
     if mode == "loop":
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(tokenizer)
         tokens = 0
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         with open(source, encoding="utf-8") as text, open(out, "wb") as sink:
             for line in text:
                 ids = tok.encode(line, add_special_tokens=False).ids
@@ -136,13 +138,13 @@ def child(mode: str, source: str, tokenizer: str, out: str, threads: int) -> Non
     else:
         from eqx_diloco.lm.prepare import prepare
 
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         meta = prepare(source, out, tokenizer, threads=threads)
         seconds = time.perf_counter() - start
         tokens = meta["num_tokens"]
-    usage = resource.getrusage(resource.RUSAGE_SELF)
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so a child would report its parent's peak.
     print(json.dumps({"tokens": tokens, "seconds": seconds, "cpu_seconds": time.process_time() - start_cpu,
-                      "max_rss_bytes": usage.ru_maxrss * 1024}))
+                      "max_rss_bytes": _proc_value(os.getpid(), "status", "VmHWM")}))
 
 
 def run_child(mode: str, source: Path, tokenizer: Path, out: Path, threads: int = 1) -> dict:
@@ -158,6 +160,48 @@ def run_child(mode: str, source: Path, tokenizer: Path, out: Path, threads: int 
     return record
 
 
+def _proc_value(pid: int, name: str, key: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/{name}").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * (1024 if name == "status" else 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def sampled_child(source: Path, tokenizer: Path, out: Path, time_box_s: float) -> dict:
+    """`prepare --threads 2` in a child, its resident memory and bytes read sampled every 2 s, stopped with SIGINT
+    after `time_box_s`."""
+    if out.exists():
+        shutil.rmtree(out)
+    before = os.getloadavg()
+    child_process = subprocess.Popen([sys.executable, "-m", "benchmarks.prepare", "--child", "prepare", str(source),
+                                      str(tokenizer), str(out), "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=common.REPO)
+    start, samples, stopped = time.perf_counter(), [], False
+    while child_process.poll() is None:
+        time.sleep(2)
+        elapsed = time.perf_counter() - start
+        rss, peak = _proc_value(child_process.pid, "status", "VmRSS"), _proc_value(child_process.pid, "status", "VmHWM")
+        read = _proc_value(child_process.pid, "io", "rchar")
+        if rss is not None and read is not None:
+            samples.append({"seconds": round(elapsed, 1), "rss_bytes": rss, "peak_rss_bytes": peak, "read_bytes": read})
+        if elapsed > time_box_s and not stopped:
+            child_process.send_signal(signal.SIGINT)
+            stopped = True
+    stdout, stderr = child_process.communicate()
+    record = {"completed": not stopped, "samples": samples, "load_before": list(before),
+              "load_after": list(os.getloadavg()), "seconds": time.perf_counter() - start}
+    if not stopped:
+        if child_process.returncode != 0:
+            raise RuntimeError(f"prepare failed: {stderr[-2000:]}")
+        record.update(json.loads(stdout.strip().splitlines()[-1]))
+    else:
+        record.update(max_rss_bytes=max(s["peak_rss_bytes"] for s in samples), tokens=None)
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_mode_flags(parser)
@@ -170,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         child(mode, source, tokenizer, out, int(threads))
         return 0
     mode = args.mode or "quick"
-    rate_mb, memory_mb, repeats = MODES[mode]
+    rate_mb, memory_mb, repeats, time_box_s = MODES[mode]
     out_dir = args.out_dir or common.default_out_dir("prepare", mode)
     revision = common.revision()  # the code that runs, read before the runs (they take minutes)
     work = Path(tempfile.mkdtemp(prefix="prepare-bench-", dir=args.work_dir))
@@ -193,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             folder = work / f"jsonl-{mb}"
             write_jsonl_corpus(folder, mb * 1_000_000)
             corpus = sum(p.stat().st_size for p in folder.iterdir())
-            record = run_child("prepare", folder, tokenizer, work / "out-memory", 2)
-            record.update(corpus_mb=mb, jsonl_bytes=corpus)
+            record = sampled_child(folder, tokenizer, work / "out-memory", time_box_s)
+            record.update(corpus_mb=mb, jsonl_bytes=corpus, read_bytes=max(s["read_bytes"] for s in record["samples"]))
             memory.append(record)
             print(f"memory at {mb} MB of text ({corpus / 1e6:,.0f} MB of jsonl): peak RSS "
-                  f"{record['max_rss_bytes'] / 1e6:.0f} MB, {record['seconds']:.0f} s", flush=True)
+                  f"{record['max_rss_bytes'] / 1e6:.0f} MB, {record['seconds']:.0f} s"
+                  f"{'' if record['completed'] else ' (stopped by its time box)'}", flush=True)
             shutil.rmtree(folder)
             shutil.rmtree(work / "out-memory")
     finally:
@@ -230,7 +275,11 @@ def summarize(runs: list[dict]) -> list[dict]:
         # Paired by repeat: each prepare run against the loop run just before it.
         ratio = [a / b for a, b in zip(rate, loop)]
         ratio_mb = [a / b for a, b in zip(mbs, loop_mb)]
+        per_cpu = [r["tokens"] / r["cpu_seconds"] for r in mine]
+        loop_per_cpu = [r["tokens"] / r["cpu_seconds"] for r in runs if r["mode"] == "loop"]
         rows.append({"way": way, "threads": threads, "tokens": mine[0]["tokens"],
+                     "tokens_per_cpu_s": statistics.mean(per_cpu),
+                     "ratio_tokens_per_cpu_s": statistics.mean(a / b for a, b in zip(per_cpu, loop_per_cpu)),
                      "tokens_per_s": statistics.mean(rate), "tokens_per_s_sd": _sd(rate),
                      "mb_per_s": statistics.mean(mbs) / 1e6, "ratio_tokens_per_s": statistics.mean(ratio),
                      "ratio_tokens_per_s_range": [min(ratio), max(ratio)], "ratio_mb_per_s": statistics.mean(ratio_mb),
@@ -253,14 +302,25 @@ def markdown(result: dict) -> str:
         ("range", "ratio_tokens_per_s_range", lambda v: f"{v[0]:.2f}-{v[1]:.2f}"),
         ("MB/s vs loop", "ratio_mb_per_s", lambda v: f"{v:.2f}x"),
         ("wall s", "seconds", lambda v: f"{v:.1f}"), ("CPU s", "cpu_seconds", lambda v: f"{v:.1f}"),
+        ("tokens per CPU s vs loop", "ratio_tokens_per_cpu_s", lambda v: f"{v:.2f}x"),
         ("1-min load before", "load_before", lambda v: f"{v:.1f}"),
     ])
-    rows = [{**r, "jsonl_mb_per_s": r["jsonl_bytes"] / 1e6 / r["seconds"],
-             "load": f"{r['load_before'][0]:.1f} / {r['load_after'][0]:.1f}"} for r in result["memory"]]
+    rows = []
+    for r in result["memory"]:
+        # Resident memory when a quarter, half, three quarters and all of what was read had been read.
+        marks = []
+        for fraction in (0.25, 0.5, 0.75, 1.0):
+            sample = next(x for x in r["samples"] if x["read_bytes"] >= fraction * r["read_bytes"])
+            marks.append(f"{sample['rss_bytes'] / 1e6:.0f}")
+        rows.append({**r, "read_mb_per_s": r["read_bytes"] / 1e6 / r["seconds"], "marks": " / ".join(marks),
+                     "state": "complete" if r["completed"] else f"stopped at {r['read_bytes'] / 1e9:.2f} GB read",
+                     "load": f"{r['load_before'][0]:.1f} / {r['load_after'][0]:.1f}"})
     memory = common.markdown_table(rows, [
         ("text", "corpus_mb", lambda v: f"{v:,} MB"), ("jsonl on disk", "jsonl_bytes", common.fmt_bytes),
-        ("tokens", "tokens", lambda v: f"{v:,}"), ("peak RSS", "max_rss_bytes", common.fmt_bytes),
-        ("wall s", "seconds", lambda v: f"{v:.0f}"), ("MB/s of jsonl", "jsonl_mb_per_s", lambda v: f"{v:.2f}"),
+        ("run", "state", None), ("tokens", "tokens", lambda v: f"{v:,}"),
+        ("peak RSS", "max_rss_bytes", common.fmt_bytes),
+        ("RSS (MB) at 1/4, 1/2, 3/4, all read", "marks", None),
+        ("wall s", "seconds", lambda v: f"{v:.0f}"), ("MB/s read", "read_mb_per_s", lambda v: f"{v:.2f}"),
         ("1-min load before / after", "load", None),
     ])
     m = result["machine"]

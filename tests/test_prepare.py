@@ -177,7 +177,8 @@ def test_bad_metadata_is_an_error(tmp_path):
 @pytest.mark.slow
 def test_train_three_steps_on_prepared_tokens(tmp_path, tokenizer_path, text_file, capsys):
     out = tmp_path / "tokens"
-    assert prepare.main([str(text_file), str(out), "--tokenizer", str(tokenizer_path)]) == 0
+    assert prepare.main([str(text_file), str(out), "--tokenizer", str(tokenizer_path), "--shard-mb", "0.001"]) == 0
+    assert len(list(out.glob("shard-*.bin"))) > 5  # training windows cross shard boundaries
     run = tmp_path / "run"
     args = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.seq-len", "16",
             "--train.batch-size", "4", "--checkpoint.every", "0", "--train.steps", "3", "--train.log-every", "1",

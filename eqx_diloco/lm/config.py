@@ -338,10 +338,9 @@ def validate(config: Config) -> None:
     if data.source in ("text", "tokens"):
         _require(data.path is not None, f"--data.path is required with --data.source {data.source}")
         _require(data.path.exists(), f"--data.path does not exist: {data.path}")
-        _require(
-            data.path.is_file() or (data.source == "text" and data.path.is_dir()),
-            f"--data.path must be a regular file{' or a folder' if data.source == 'text' else ''} "
-            f"(not a device, FIFO or socket): {data.path}",
+        _require(  # a folder of text files, or a token folder written by prepare
+            data.path.is_file() or data.path.is_dir(),
+            f"--data.path must be a regular file or a folder (not a device, FIFO or socket): {data.path}",
         )
     else:
         _require(
