@@ -12,7 +12,7 @@ rotated, so the copies are not byte-identical), up to 2 GB. Nothing is downloade
    indentation only when it sees both), MB/s of text, and the ratios to the loop.
 2. Memory. `prepare --threads 2` on folders of 64 MB jsonl shards (documents of 2-6 KB) of
    growing size: the peak resident memory of its process (VmHWM), which should not grow
-   with the corpus, and its resident memory sampled every 2 s against the bytes it has read
+   with the corpus, and its resident memory sampled every second against the bytes it has read
    (`/proc/PID/io` rchar). A point that outlasts its time box is stopped with SIGINT (prepare
    keeps its shards) and reported as stopped, with the bytes it had read.
 
@@ -143,8 +143,12 @@ def child(mode: str, source: str, tokenizer: str, out: str, threads: int) -> Non
         seconds = time.perf_counter() - start
         tokens = meta["num_tokens"]
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so a child would report its parent's peak.
+    me = os.getpid()
     print(json.dumps({"tokens": tokens, "seconds": seconds, "cpu_seconds": time.process_time() - start_cpu,
-                      "max_rss_bytes": _proc_value(os.getpid(), "status", "VmHWM")}))
+                      "max_rss_bytes": _proc_value(me, "status", "VmHWM"),
+                      "final": {"seconds": seconds, "rss_bytes": _proc_value(me, "status", "VmRSS"),
+                                "peak_rss_bytes": _proc_value(me, "status", "VmHWM"),
+                                "read_bytes": _proc_value(me, "io", "rchar")}}))
 
 
 def run_child(mode: str, source: Path, tokenizer: Path, out: Path, threads: int = 1) -> dict:
@@ -156,6 +160,7 @@ def run_child(mode: str, source: Path, tokenizer: Path, out: Path, threads: int 
     result = subprocess.run([sys.executable, "-m", "benchmarks.prepare", "--child", mode, str(source), str(tokenizer),
                              str(out), str(threads)], capture_output=True, text=True, check=True, cwd=common.REPO)
     record = json.loads(result.stdout.strip().splitlines()[-1])
+    del record["final"]
     record.update(mode=mode, threads=threads, load_before=list(before), load_after=list(os.getloadavg()))
     return record
 
@@ -171,7 +176,7 @@ def _proc_value(pid: int, name: str, key: str) -> int | None:
 
 
 def sampled_child(source: Path, tokenizer: Path, out: Path, time_box_s: float) -> dict:
-    """`prepare --threads 2` in a child, its resident memory and bytes read sampled every 2 s, stopped with SIGINT
+    """`prepare --threads 2` in a child, its resident memory and bytes read sampled every second, stopped with SIGINT
     after `time_box_s`."""
     if out.exists():
         shutil.rmtree(out)
@@ -181,7 +186,7 @@ def sampled_child(source: Path, tokenizer: Path, out: Path, time_box_s: float) -
                                      text=True, cwd=common.REPO)
     start, samples, stopped = time.perf_counter(), [], False
     while child_process.poll() is None:
-        time.sleep(2)
+        time.sleep(1)
         elapsed = time.perf_counter() - start
         rss, peak = _proc_value(child_process.pid, "status", "VmRSS"), _proc_value(child_process.pid, "status", "VmHWM")
         read = _proc_value(child_process.pid, "io", "rchar")
@@ -197,6 +202,7 @@ def sampled_child(source: Path, tokenizer: Path, out: Path, time_box_s: float) -
         if child_process.returncode != 0:
             raise RuntimeError(f"prepare failed: {stderr[-2000:]}")
         record.update(json.loads(stdout.strip().splitlines()[-1]))
+        samples.append(record.pop("final"))  # a short run may end before the first sample
     else:
         record.update(max_rss_bytes=max(s["peak_rss_bytes"] for s in samples), tokens=None)
     return record
