@@ -168,6 +168,24 @@ def test_training_reads_the_shards_as_one_stream_across_boundaries(tmp_path, tok
     assert read_token_meta(out)["vocab_size"] == VOCAB
 
 
+def test_sharded_tokens_index_like_the_concatenated_array():
+    shards = [np.arange(5, dtype=np.uint16), np.arange(5, 12, dtype=np.uint16), np.arange(12, 15, dtype=np.uint16)]
+    tokens, whole = ShardedTokens(shards), np.arange(15, dtype=np.uint16)
+    for i in range(16):
+        for j in range(i, 16):  # every slice, boundaries included, and a slice of a slice
+            part = tokens[i:j]
+            assert len(part) == j - i and np.asarray(part).tolist() == whole[i:j].tolist()
+            if j > i:
+                assert part.max() == whole[i:j].max() and part[-1] == whole[j - 1]
+                assert part[np.array([[0, j - i - 1]])].tolist() == [[i, j - 1]]
+    assert tokens[3:10][2:5][np.array([0, 2])].tolist() == [5, 7]
+    for bad in (15, -16):
+        with pytest.raises(IndexError):
+            tokens[bad]
+    with pytest.raises(IndexError):
+        tokens[np.array([0, 15])]
+
+
 def test_a_damaged_or_unfinished_folder_is_refused_in_one_line(tmp_path, tokenizer_path):
     write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCUMENTS])
     out = tmp_path / "out"

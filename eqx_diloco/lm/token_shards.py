@@ -130,21 +130,30 @@ class ShardedTokens:
             out[mask] = self.shards[k][flat[mask] - self.bounds[k]]
         return out.reshape(positions.shape)
 
-    def __array__(self, dtype=None, copy=None):
+    def _parts(self):
+        """This array's part of each shard it overlaps, in order (memory-map slices: nothing is read)."""
         first = int(np.searchsorted(self.bounds, self.start, side="right") - 1)
-        parts, position = [], self.start
+        position = self.start
         for k in range(first, len(self.shards)):
             if position >= self.stop:
                 break
-            lo, hi = position - self.bounds[k], min(self.stop, self.bounds[k + 1]) - self.bounds[k]
-            parts.append(np.asarray(self.shards[k][lo:hi]))
-            position = int(self.bounds[k]) + int(hi)
+            end = min(self.stop, int(self.bounds[k + 1]))
+            yield self.shards[k][position - int(self.bounds[k]) : end - int(self.bounds[k])]
+            position = end
+
+    def __array__(self, dtype=None, copy=None):
+        parts = [np.asarray(part) for part in self._parts()]
         stream = np.concatenate(parts) if parts else np.zeros((0,), self.dtype)
         return stream if dtype is None else stream.astype(dtype)
 
     def max(self, initial=None) -> int:  # noqa: A003 - the name numpy arrays use
-        """The largest id (read shard by shard)."""
-        return int(np.asarray(self).max(initial=initial)) if len(self) else (initial or 0)
+        """The largest id, shard by shard (never the whole stream in memory at once)."""
+        values = [int(part.max()) for part in self._parts() if len(part)]
+        if initial is not None:
+            values.append(initial)
+        if not values:
+            raise ValueError("max of an empty token array without an initial value")
+        return max(values)
 
 
 def tokenizer_for_tokens(path: Path | str):
