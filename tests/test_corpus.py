@@ -226,7 +226,7 @@ def interrupted_after(shards, out):
     return progress
 
 
-@pytest.mark.parametrize("fmt", ["text", "jsonl", "parquet"])
+@pytest.mark.parametrize("fmt", ["text", "jsonl", "jsonl.gz", "parquet"])
 def test_an_interrupted_run_continues_to_the_same_tokens(tmp_path, tokenizer_path, fmt):
     source = tmp_path / "src"
     source.mkdir()
@@ -235,8 +235,8 @@ def test_an_interrupted_run_continues_to_the_same_tokens(tmp_path, tokenizer_pat
         if fmt == "text":
             for i, d in enumerate(part):
                 (source / f"{k}-{i}.txt").write_text(d)
-        elif fmt == "jsonl":
-            write_jsonl(source / f"{k}.jsonl", [{"text": d} for d in part])
+        elif fmt.startswith("jsonl"):
+            write_jsonl(source / f"{k}.{fmt}", [{"text": d} for d in part], compress=fmt.endswith(".gz"))
         else:
             write_parquet(source / f"{k}.parquet", {"text": part}, row_group_size=2)
     options = dict(shard_bytes=1000, chunk_bytes=900)
