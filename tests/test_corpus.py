@@ -434,6 +434,31 @@ def test_tokenizer_for_tokens(tmp_path, tokenizer_path, tok):
         tokenizer_for_tokens(tmp_path / "out")
 
 
+def test_sample_finds_the_tokenizer_of_its_runs_tokens(tmp_path, tokenizer_path, tok):
+    from eqx_diloco._json import to_jsonable
+    from eqx_diloco.lm.config import Config
+    from eqx_diloco.lm.sample import find_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("x = 1\n")
+    tokens = tmp_path / "tokens"
+    prepare.prepare(text, tokens, tokenizer_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(to_jsonable(Config(data=DataConfig(source="tokens", path=tokens)))))
+    info = {"run_dir": str(run), "data_source": "tokens"}
+    assert find_tokenizer(info, None).to_str() == tok.to_str()
+    assert find_tokenizer({**info, "data_source": "corpus"}, None) is None  # byte-level: no tokenizer
+    assert find_tokenizer({"data_source": "tokens", "run_dir": str(tmp_path / "gone")}, None) is None
+    for flag in (tokenizer_path, tokens):
+        assert find_tokenizer({}, flag).to_str() == tok.to_str()
+    for flag, message in ((tmp_path / "nothing", "is neither a tokenizer.json nor tokens that name one"),
+                          (text, "is not a tokenizers JSON file")):
+        with pytest.raises(ConfigError, match=f"--tokenizer {flag} {message}"):
+            find_tokenizer({}, flag)
+
+
+@pytest.mark.slow
 def test_sample_prints_text_with_the_runs_tokenizer(tmp_path, tokenizer_path, tok, capsys):
     import jax
 
