@@ -344,6 +344,8 @@ def test_bad_corpora_are_one_line_naming_the_file_and_row(tmp_path, tokenizer_pa
          "missing.jsonl line 2 has no field 'text' (its fields: body, id; choose one with --text-field)"),
         (jsonl("bytes.jsonl", [good, good, b'{"text": "caf\xe9"}\n']), "bytes.jsonl line 3 is not UTF-8: b'\\xe9\"}\\n'"),
         (jsonl("notjson.jsonl", [good, b"{text: 1}\n"]), "notjson.jsonl line 2 is not JSON: Expecting property name"),
+        (jsonl("surrogate.jsonl", [good, good, good, b'{"text": "a\\ud800b"}\n']),
+         "surrogate.jsonl line 4 is not UTF-8: its text holds '\\ud800' (a lone surrogate)"),
         (jsonl("list.jsonl", [b"[1, 2]\n"]), "list.jsonl line 1 is a JSON list, not an object with a 'text' field"),
         (jsonl("mixed.jsonl", [good, b'{"text": 12}\n']), "mixed.jsonl line 2: field 'text' is a JSON int, not a string"),
         (jsonl("empty.jsonl", [b"\n"]), "empty.jsonl holds no documents (an empty jsonl shard)"),
@@ -355,6 +357,9 @@ def test_bad_corpora_are_one_line_naming_the_file_and_row(tmp_path, tokenizer_pa
     cases.append((tmp_path / "nocol.parquet", "nocol.parquet has no column 'text' (its columns: body;"))
     write_parquet(tmp_path / "ints.parquet", {"text": [1, 2]})
     cases.append((tmp_path / "ints.parquet", "ints.parquet: column 'text' is int64, not a string column"))
+    invalid = pa.array([b"ok", b"fine", b"caf\xe9"], pa.binary()).view(pa.string())  # a writer that never checked
+    pq.write_table(pa.table({"text": invalid}), tmp_path / "bytes.parquet")
+    cases.append((tmp_path / "bytes.parquet", "bytes.parquet row 3 is not UTF-8: b'\\xe9'"))
     write_parquet(tmp_path / "nulls.parquet", {"text": ["a", "b", None, "d"]}, row_group_size=2)
     cases.append((tmp_path / "nulls.parquet", "nulls.parquet row 3: 'text' is null"))
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")

@@ -192,7 +192,10 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
         document_tokens = 1 if position.offset > 0 and inputs[position.file][1] == "text" else 0
         pieces = read_pieces(inputs, sizes, position, text_field=text_field, piece_bytes=piece_bytes)
         for batch in read_ahead(batches(pieces, chunk_bytes)):
-            encodings = tokenizer.encode_batch_fast([p.text for p in batch], add_special_tokens=False)
+            try:
+                encodings = tokenizer.encode_batch_fast([p.text for p in batch], add_special_tokens=False)
+            except TypeError:  # a text with a lone surrogate (JSON allows "\ud800"): not UTF-8, so not encodable
+                raise _unencodable(batch, inputs) from None
             parts, ends, count = [], [], 0
             for piece, encoding in zip(batch, encodings):
                 ids = encoding.ids
@@ -247,6 +250,18 @@ def prepare(text_path: Path | str, out: Path | str, tokenizer_path: Path | str, 
     finally:
         writer.abandon()
     return {**meta, "resumed_shards": resumed, "already_complete": False}
+
+
+def _unencodable(batch: list, inputs: list[tuple[Path, str]]) -> PrepareError:
+    """The error naming the first piece of `batch` the tokenizer cannot take (one that is not valid Unicode)."""
+    for piece in batch:
+        try:
+            piece.text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            file, fmt = inputs[piece.after.file]
+            where = f"row {piece.after.offset}" if fmt == "parquet" else f"line {piece.after.line - 1}"
+            return PrepareError(f"{file} {where} is not UTF-8: its text holds {e.object[e.start]!r} (a lone surrogate)")
+    return PrepareError(f"the tokenizer refused the text of {inputs[batch[0].after.file][0]}")
 
 
 def _remove_unstarted(out: Path, created: bool) -> None:
