@@ -539,3 +539,17 @@ def test_the_run_summary_hints_a_text_prompt_when_the_tokens_name_a_tokenizer(tm
     (tmp_path / "tokens" / "tokenizer.json").unlink()
     first = int(stream(tmp_path / "tokens")[0])
     assert _sample_prompt(config) == f" --prompt {first}    # token ids in, token ids out"
+
+
+def test_the_trainer_refuses_an_unfinished_token_folder_in_one_line(tmp_path, tokenizer_path, capsys):
+    from eqx_diloco.lm.train import main as train_main
+
+    write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCUMENTS])
+    out = tmp_path / "out"
+    with pytest.raises(Interrupt):
+        prepare.prepare(tmp_path / "c.jsonl", out, tokenizer_path, shard_bytes=1000, progress=interrupted_after(2, out))
+    capsys.readouterr()
+    assert train_main(["--data.source", "tokens", "--data.path", str(out), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --data.path {out} is an unfinished prepare (no tokens.json yet): run the same "
+                   f"`python -m eqx_diloco.prepare` command again to finish it\n")
