@@ -333,7 +333,19 @@ def _sample_prompt(config) -> str:
     for a larger vocabulary `sample` reads whitespace-separated token ids, here the training data's first."""
     if config.model.vocab_size <= 256:
         return ' --prompt "def "' if config.data.source == "corpus" else ""
+    if config.data.source == "tokens" and config.data.path is not None and _names_a_tokenizer(config.data.path):
+        return ""  # sample reads and prints text with the tokens' own tokenizer
     return f" --prompt {_first_token(config)}    # token ids in, token ids out"
+
+
+def _names_a_tokenizer(data_path) -> bool:
+    from .._errors import ConfigError
+    from .token_shards import tokenizer_for_tokens
+
+    try:
+        return tokenizer_for_tokens(data_path) is not None
+    except ConfigError:
+        return False
 
 
 def _first_token(config) -> int:
@@ -344,7 +356,9 @@ def _first_token(config) -> int:
         from .data import read_token_meta
 
         try:
-            first = np.fromfile(config.data.path, dtype=read_token_meta(Path(config.data.path))["dtype"], count=1)
+            meta = read_token_meta(Path(config.data.path))
+            first_file = Path(config.data.path) / meta["shards"][0]["file"] if "shards" in meta else config.data.path
+            first = np.fromfile(first_file, dtype=meta["dtype"], count=1)
         except (OSError, ValueError):  # ConfigError too: the run read the file, so this is most unlikely
             return 0
         if first.size and int(first[0]) < config.model.vocab_size:

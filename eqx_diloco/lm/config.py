@@ -119,7 +119,7 @@ class DataConfig:
     """Where tokens come from."""
 
     source: Literal["corpus", "text", "tokens", "synthetic"] = "corpus"
-    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a flat binary file of uint16 or uint32 token ids, memory-mapped, with `<file>.json` giving its dtype and vocab_size, as written by `python -m eqx_diloco.prepare`) or `synthetic` (a learnable pattern, for tests)."""
+    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a token folder written by `python -m eqx_diloco.prepare`: shards of uint16 or uint32 ids read as one stream, memory-mapped, with `tokens.json` giving dtype and vocab_size; or a single such file with `<file>.json`) or `synthetic` (a learnable pattern, for tests)."""
     path: Path | None = None
     """the file or folder for `text` and `tokens`."""
     eval_fraction: float = 0.05
@@ -352,10 +352,9 @@ def validate(config: Config) -> None:
     if data.source in ("text", "tokens"):
         _require(data.path is not None, f"--data.path is required with --data.source {data.source}")
         _require(data.path.exists(), f"--data.path does not exist: {data.path}")
-        _require(
-            data.path.is_file() or (data.source == "text" and data.path.is_dir()),
-            f"--data.path must be a regular file{' or a folder' if data.source == 'text' else ''} "
-            f"(not a device, FIFO or socket): {data.path}",
+        _require(  # a folder of text files, or a token folder written by prepare
+            data.path.is_file() or data.path.is_dir(),
+            f"--data.path must be a regular file or a folder (not a device, FIFO or socket): {data.path}",
         )
     else:
         _require(
