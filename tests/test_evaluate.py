@@ -235,7 +235,7 @@ def test_a_token_run_without_its_tokenizer_is_one_line(tmp_path, capsys):
     (tmp_path / "tokens.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
     (tmp_path / "tokens.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 300}))
     tasks = write_jsonl(tmp_path / "t.jsonl", [GOOD])
-    with pytest.raises(ConfigError, match="--eval.tasks needs the tokenizer of .*records no tokenizer"):
+    with pytest.raises(ConfigError, match="--eval.tasks needs the tokenizer of .*names no tokenizer file"):
         from eqx_diloco.lm.text_encoding import encoder_for_data
 
         encoder_for_data("tokens", tmp_path / "tokens.bin", needed_by="--eval.tasks")

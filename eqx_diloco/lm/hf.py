@@ -286,18 +286,14 @@ def write_hf(model: Transformer, out: Path | str, *, max_positions: int = 2048,
 
 
 def run_tokenizer(run_config) -> Path | None:
-    """The `tokenizers` JSON a run's tokens were made with (what `prepare` recorded in the token file's
-    metadata), or None: another data source, no metadata, or no tokenizer recorded there."""
-    from .data import read_token_meta
+    """The `tokenizers` JSON a run's tokens were made with (the copy beside a token folder's shards, or
+    the file a single token file's metadata names), or None: another data source, or none recorded."""
+    from .token_shards import tokenizer_file_for_tokens
 
     data = run_config.data
     if data.source != "tokens" or data.path is None:
         return None
-    try:
-        recorded = read_token_meta(Path(data.path)).get("tokenizer")
-    except (ConfigError, OSError):
-        return None
-    return Path(recorded) if isinstance(recorded, str) and recorded else None
+    return tokenizer_file_for_tokens(data.path)
 
 
 def export_hf(run_dir: Path | str, out: Path | str, *, step: int | None = None) -> dict[str, Any]:

@@ -57,19 +57,14 @@ def load_tokenizer_file(path: Path | str, *, flag: str) -> TextEncoder:
 
 
 def tokenizer_for_tokens(token_path: Path | str) -> TextEncoder:
-    """The tokenizer a token file was written with: the `tokenizer` path its `<file>.json` records (as
-    `python -m eqx_diloco.prepare` writes it). The one place that looks it up, so a richer lookup (a
-    tokenizer copied beside the shards) replaces this function alone. Raises `ConfigError` saying why
-    there is none."""
-    from .data import read_token_meta, token_meta_path  # data imports config, which imports nothing of JAX
+    """The tokenizer a token file or folder was written with, as a `TextEncoder` (the lookup is
+    `token_shards.tokenizer_file_for_tokens`). Raises `ConfigError` saying why there is none."""
+    from .token_shards import tokenizer_file_for_tokens  # imports nothing of JAX
 
-    meta_path = token_meta_path(token_path)
-    recorded = read_token_meta(Path(token_path)).get("tokenizer")
-    if not isinstance(recorded, str) or not recorded:
-        raise ConfigError(f"{meta_path} records no tokenizer")
-    if not Path(recorded).is_file():
-        raise ConfigError(f"the tokenizer {recorded} that {meta_path} records is missing")
-    return load_tokenizer_file(recorded, flag=str(meta_path))
+    file = tokenizer_file_for_tokens(token_path)
+    if file is None:
+        raise ConfigError(f"{token_path} names no tokenizer file that exists (its metadata is written by prepare)")
+    return load_tokenizer_file(file, flag=str(token_path))
 
 
 def encoder_for_data(source: str, path: Path | None, *, needed_by: str) -> TextEncoder:

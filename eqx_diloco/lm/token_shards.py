@@ -156,14 +156,13 @@ class ShardedTokens:
         return max(values)
 
 
-def tokenizer_for_tokens(path: Path | str):
-    """The `tokenizers.Tokenizer` the ids at `path` came from, or None when they name none.
+def tokenizer_file_for_tokens(path: Path | str) -> Path | None:
+    """The `tokenizers` JSON file the ids at `path` came from, or None when they name none.
 
     `path` is what `--data.path` takes with `--data.source tokens`: a token folder (its
     `tokens.json` names the copy of the tokenizer beside the shards) or a single token file
-    (its `<file>.json` names the tokenizer file `prepare` read). None also when that file no
-    longer exists or the `tokenizers` package is not installed; a tokenizer file that exists
-    but cannot be read is a one-line `ConfigError`.
+    (its `<file>.json` names the tokenizer file `prepare` read). None also when metadata is
+    missing or unreadable, or the named file no longer exists.
     """
     path = Path(path)
     try:
@@ -177,7 +176,16 @@ def tokenizer_for_tokens(path: Path | str):
             file = Path(named) if isinstance(named, str) and named else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if file is None or not file.is_file():
+    return file if file is not None and file.is_file() else None
+
+
+def tokenizer_for_tokens(path: Path | str):
+    """The `tokenizers.Tokenizer` the ids at `path` came from (`tokenizer_file_for_tokens`), or None
+    when they name none or the `tokenizers` package is not installed; a tokenizer file that exists
+    but cannot be read is a one-line `ConfigError`.
+    """
+    file = tokenizer_file_for_tokens(path)
+    if file is None:
         return None
     try:
         from tokenizers import Tokenizer
