@@ -220,8 +220,8 @@ def held_out_tokens(args: argparse.Namespace, loaded: LoadedModel) -> tuple[np.n
     if args.tokens is not None:
         if overrides:
             raise ConfigError(f"--tokens and {DATA_FLAGS[next(iter(overrides))]} both name held-out data: give one")
-        if not args.tokens.is_file():
-            raise ConfigError(f"--tokens must be a token file (python -m eqx_diloco.prepare): {args.tokens}")
+        if not args.tokens.exists():
+            raise ConfigError(f"--tokens must be a token folder or file (python -m eqx_diloco.prepare): {args.tokens}")
         with _model_vocab_words("--tokens"):
             _check_file_vocab(args.tokens, vocab, "--tokens")
             return open_tokens(args.tokens, vocab), f"{args.tokens} (all of it)"
@@ -297,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-examples", "--eval.max-examples", dest="max_examples", type=int, default=0,
                         help="questions per task file, the first ones (0 = all)")
     parser.add_argument("--tokens", type=Path, default=None,
-                        help="a token file (python -m eqx_diloco.prepare) to compute the loss on, all of it")
+                        help="a token folder or file (python -m eqx_diloco.prepare) to compute the loss on, all of it")
     parser.add_argument("--data.source", dest="data_source", default=None,
                         choices=["corpus", "text", "tokens", "synthetic"],
                         help="the trainer's data source: the loss is computed on its held-out split "
