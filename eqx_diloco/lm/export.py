@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=("eqx", "hf"), default="eqx",
                         help="eqx: model.eqx + JSON for this package; hf: a Hugging Face folder (config.json, "
                         "model.safetensors, the tokenizer) for transformers, vLLM, lm-evaluation-harness")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # `RUN --format hf OUT` as well as `RUN OUT --format hf`
     if args.format == "hf":
         from .hf import main_hf
 
