@@ -5,6 +5,11 @@ It writes `RUN_DIR/metrics.jsonl` (the global model's evaluations: `step` is the
 synchronous steps of all islands, `tokens`, `time`, `eval_loss`), `RUN_DIR/syncer/metrics.jsonl` (a
 line per merge), `RUN_DIR/syncer/address.json` (the port it listens on) and, when stopped (SIGTERM or
 SIGINT), `RUN_DIR/syncer/summary.json` (tokens merged and refused, merges).
+
+A save of `RUN_DIR/syncer/checkpoints` that fails stops the syncer at once with one line and exit 1
+(`CheckpointSaveError`): serving on, it would lose every merge since the last save. A syncer with no
+checkpoint to resume writes one of the initial theta_g before it listens, so a folder it cannot write
+is found before any island trains.
 """
 
 import json
@@ -19,7 +24,7 @@ import jax
 from .._fragments import Fragmenter
 from .._island import fragment_vectors, install_fragment
 from .._rpc import SyncerService
-from .._syncer import MergeRecord, Syncer
+from .._syncer import MAX_TOKENS, MergeRecord, Syncer
 from .._syncer_checkpoint import SyncerCheckpoints
 from ._core import eval_loss
 from .config import Config
@@ -27,6 +32,21 @@ from .data import TokenBatches, load_tokens
 from .island import RUN_T0_ENV, initial_model, shared_token
 from .metrics import MetricsLog
 from .optimizers import outer_optimizer
+
+
+# A contribution may carry this many times the tokens an island of the syncer's flags makes between two
+# syncs: islands may run other batch sizes or sequence lengths than the syncer's flags say.
+TOKEN_HEADROOM = 8
+
+
+def max_contribution_tokens(config: Config) -> int:
+    """The most tokens one push may carry: `TOKEN_HEADROOM` times an island's tokens between two syncs
+    of a fragment (`--diloco.sync-period` steps of `--train.batch-size` x `--train.seq-len`); without
+    waiting (`--decoupled.no-wait`) an island may train on while a push is in flight, so up to the
+    whole run's budget (`--train.steps` of every island's tokens)."""
+    t, d = config.train, config.diloco
+    steps = d.sync_period if config.decoupled.wait else t.steps * d.num_replicas
+    return min(MAX_TOKENS, TOKEN_HEADROOM * t.batch_size * t.seq_len * max(1, steps))
 
 
 def run_syncer(config: Config) -> int:
@@ -38,7 +58,8 @@ def run_syncer(config: Config) -> int:
     params, static = eqx.partition(initial_model(config), eqx.is_inexact_array)
     fragmenter = Fragmenter.for_model(params, lambda m: m.blocks, d.num_fragments, d.fragment_pattern)
     merges, evals, lock = MetricsLog(folder, append=True), MetricsLog(config.run_dir, append=True), threading.Lock()
-    checkpoints = SyncerCheckpoints(folder / "checkpoints")
+    stop = threading.Event()
+    checkpoints = SyncerCheckpoints(folder / "checkpoints", on_error=lambda message: stop.set())
 
     def on_merge(record: MergeRecord) -> None:
         with lock:
@@ -50,8 +71,10 @@ def run_syncer(config: Config) -> int:
     syncer = Syncer(fragment_vectors(params, fragmenter), outer_optimizer=outer_optimizer(d),
                     num_islands=d.num_replicas, min_quorum=dc.min_quorum, grace_s=dc.grace_s,
                     grace_factor=dc.grace_factor, grace_min_s=dc.grace_min_s, grace_max_s=dc.grace_max_s,
-                    max_staleness=dc.max_staleness, on_merge=on_merge)
+                    max_staleness=dc.max_staleness, max_tokens=max_contribution_tokens(config), on_merge=on_merge)
     restored = checkpoints.restore(syncer)
+    if restored is None:
+        checkpoints.save_now(syncer)  # the initial theta_g: an unwritable folder is found now, not after merges
     syncer.compile_ahead()
     checkpoints.follow(syncer)
     service = SyncerService(syncer, address=dc.syncer, token=shared_token(config)).start()
@@ -59,7 +82,6 @@ def run_syncer(config: Config) -> int:
     print(f"syncer: listening on port {service.port} for {d.num_replicas} islands"
           + (f", resumed at versions {syncer.versions}" if restored is not None else ""), flush=True)
 
-    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     batches = TokenBatches(load_tokens(config.data, config.model.vocab_size, t.seed), num_replicas=1,
@@ -85,6 +107,14 @@ def run_syncer(config: Config) -> int:
     if restored is None:
         evaluate()
     next_eval = (syncer.tokens_merged // every + 1) * every if every else None
+    def write_summary() -> None:
+        summary = {"tokens_merged": round(syncer.tokens_merged), "tokens_refused": round(syncer.tokens_refused),
+                   "merges": len(syncer.merges), "merges_by_grace": sum(r.by_grace for r in syncer.merges),
+                   "versions": syncer.versions}
+        (folder / "summary.json").write_text(json.dumps(summary))
+        merges.close()
+        evals.close()
+
     try:
         while not stop.wait(0.05):
             if next_eval is not None and syncer.tokens_merged >= next_eval:
@@ -93,11 +123,8 @@ def run_syncer(config: Config) -> int:
     finally:
         service.stop()
         evaluate()
-        checkpoints.close()
-        summary = {"tokens_merged": round(syncer.tokens_merged), "tokens_refused": round(syncer.tokens_refused),
-                   "merges": len(syncer.merges), "merges_by_grace": sum(r.by_grace for r in syncer.merges),
-                   "versions": syncer.versions}
-        (folder / "summary.json").write_text(json.dumps(summary))
-        merges.close()
-        evals.close()
+        try:
+            checkpoints.close()  # raises a failed save's CheckpointSaveError: the syncer exits 1
+        finally:
+            write_summary()
     return 0
