@@ -84,7 +84,7 @@ class SyncerService:
 
     def __init__(self, syncer: Syncer, *, address: str, token: str, max_workers: int | None = None):
         if not token:
-            raise ConfigError("the syncer needs a non-empty shared secret (--decoupled.token or $" + TOKEN_ENV + ")")
+            raise ConfigError("the syncer needs a non-empty shared secret ($" + TOKEN_ENV + " or --decoupled.token-file)")
         self.syncer, self.token = syncer, token.encode()
         # A push carries one fragment (float32 at most); a join's reply carries all of them.
         self.max_message = 4 * max(syncer.sizes) + _HEADER_SLACK

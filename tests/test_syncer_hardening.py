@@ -1,6 +1,8 @@
 """A syncer no call can spoil or wedge, and a decoupled run that always ends: hostile gRPC calls against a
 live syncer, damaged syncer checkpoints, and the decoupled launcher's failures (each with one line)."""
 
+import os
+import socket
 import threading
 import time
 
@@ -360,3 +362,129 @@ def test_a_failed_background_save_is_reported_at_once_and_again_at_close(tmp_pat
     assert len(messages) == 1 and "saving checkpoint 3 in" in messages[0] and "\n" not in messages[0]
     with pytest.raises(CheckpointSaveError, match="saving checkpoint 3 in"):
         checkpoints.close()
+
+
+# -- islands and the launcher: one line each ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"island": true}\n', "island True is not in"),                       # SB7: became island 1
+    ('{"island": 1.9}\n', "island 1.9 is not in"),                         # SB4: became island 1
+    ('{"island": 1e400}\n', "island inf is not in"),                       # SB12: OverflowError traceback
+    ('{"island": 0, "cpus": "abc"}\n', '"cpus" must be null or a non-empty list'),  # SB6: TypeError traceback
+    ('{"island": 0, "cpus": [-1]}\n', '"cpus" must be null or a non-empty list'),   # SB11: ValueError traceback
+    ('{"island": 0, "cpus": [99999]}\n', '"cpus" must be null or a non-empty list'),  # SB5: OSError, no flag named
+    ('{"island": 0, "cpus": [true]}\n', '"cpus" must be null or a non-empty list'),
+])
+def test_a_standby_island_refuses_a_bad_assignment_value_in_one_line(make_config, monkeypatch, line, match):
+    import io
+
+    from eqx_diloco.lm.island import IslandError, await_assignment
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(line))
+    with pytest.raises(IslandError, match=match) as caught:
+        await_assignment(make_config())
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("text", ["{garbage", '{"step": "40"}', '{"step": -1}', '{"step": true}', "[]", '{"steps": 4}'])
+def test_a_garbage_progress_file_is_one_line(tmp_path, text):
+    """DK17c: `{garbage` in island-1/progress.json was a JSONDecodeError traceback."""
+    from eqx_diloco.lm.island import read_progress
+
+    path = tmp_path / "progress.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"progress.json is not \{\"step\": N\} .*delete it to restart island 1") as e:
+        read_progress(path, 1)
+    assert "\n" not in str(e.value)
+    path.write_text('{"step": 12}')
+    assert read_progress(path, 1) == 12 and read_progress(tmp_path / "absent.json", 1) == 0
+
+
+def test_the_shared_secret_is_never_a_flag_value(capsys, tmp_path):
+    """DB1 / SEC2: `--decoupled.token T` showed in `ps`, and an ordinary run wrote it to config.json and
+    its checkpoint. The flag is refused with one line saying where the secret goes, before anything is written."""
+    from eqx_diloco.lm.train import main
+
+    run = tmp_path / "run"
+    code = main(["--decoupled.token", "s3cret", "--run-dir", str(run), "--data.source", "synthetic"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0
+    assert "$EQX_DILOCO_SYNCER_TOKEN" in err and "--decoupled.token-file" in err and "s3cret" not in err
+    assert not (run / "config.json").exists()
+
+
+def test_a_token_file_holds_the_secret_and_only_its_path_is_kept(make_config, tmp_path, monkeypatch):
+    import dataclasses
+    import json
+
+    from eqx_diloco._json import to_jsonable
+    from eqx_diloco.lm.config import DecoupledConfig, validate
+    from eqx_diloco.lm.island import shared_token
+
+    secret = tmp_path / "secret"
+    secret.write_text("from-a-file\n")
+    monkeypatch.setenv("EQX_DILOCO_SYNCER_TOKEN", "from-the-environment")
+    config = make_config()
+    config = dataclasses.replace(config, decoupled=DecoupledConfig(role="island", token_file=secret))
+    validate(config)
+    assert shared_token(config) == "from-a-file"
+    assert "from-a-file" not in json.dumps(to_jsonable(config))
+    monkeypatch.delenv("EQX_DILOCO_SYNCER_TOKEN")
+    assert shared_token(dataclasses.replace(config, decoupled=DecoupledConfig(role="island", token_file=secret)))
+    for bad, match in [(tmp_path / "absent", "is not a file"), (tmp_path, "is not a file")]:
+        with pytest.raises(ConfigError, match=match):
+            validate(dataclasses.replace(config, decoupled=DecoupledConfig(role="island", token_file=bad)))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty: its first line is the shared secret"):
+        validate(dataclasses.replace(config, decoupled=DecoupledConfig(role="island", token_file=tmp_path / "empty")))
+
+
+TD = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2", "--train.batch-size", "4",
+      "--train.seq-len", "16", "--data.source", "synthetic", "--train.eval-every", "0", "--diloco.sync-period", "4",
+      "--train.log-every", "1"]
+
+
+def test_a_log_dir_that_is_a_file_is_one_line(capsys, tmp_path):
+    """DL01: `--decoupled --log-dir FILE` was a 17-line FileExistsError traceback."""
+    from eqx_diloco.lm.launch import main as launch_main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code = launch_main(["--decoupled", "--num-processes", "2", "--log-dir", str(afile), "--", *TD,
+                        "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"error: --log-dir is not a folder: {afile}"
+
+
+def test_a_second_decoupled_launch_on_a_run_folder_in_use_is_refused_before_it_starts(capsys, tmp_path):
+    """DK7: two launches on one --run-dir interleaved progress, logs and checkpoints, and the second exited 0."""
+    from eqx_diloco.lm._preflight import RunDirLock
+    from eqx_diloco.lm.launch import main as launch_main
+
+    run = tmp_path / "run"
+    with RunDirLock(run, job="decoupled launch 1 abcd"):
+        code = launch_main(["--decoupled", "--num-processes", "2", "--log-dir", str(tmp_path / "logs"), "--", *TD,
+                            "--run-dir", str(run)])
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert code == 2 and first == (f"error: --run-dir {run} is in use by another trainer (pid {os.getpid()} "
+                                   f"on {socket.gethostname()})")
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]
+
+
+def test_a_syncer_started_by_hand_holds_the_run_folder(make_config, monkeypatch):
+    import dataclasses
+
+    from eqx_diloco.lm._preflight import RunDirLock
+    from eqx_diloco.lm.config import DecoupledConfig
+    from eqx_diloco.lm.syncer import run_syncer
+
+    monkeypatch.delenv("EQX_DILOCO_DECOUPLED_JOB", raising=False)
+    config = make_config()
+    config = dataclasses.replace(config, decoupled=DecoupledConfig(role="syncer"))
+    with RunDirLock(config.run_dir, job="decoupled launch 1 abcd"):
+        with pytest.raises(ConfigError, match="is in use by another trainer"):
+            run_syncer(config)
+        monkeypatch.setenv("EQX_DILOCO_DECOUPLED_JOB", "decoupled launch 2 ffff")  # another launch's syncer
+        with pytest.raises(ConfigError, match="is in use by another trainer"):
+            run_syncer(config)

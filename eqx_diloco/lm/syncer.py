@@ -12,6 +12,7 @@ checkpoint to resume writes one of the initial theta_g before it listens, so a f
 is found before any island trains.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ from .._rpc import SyncerService
 from .._syncer import MAX_TOKENS, MergeRecord, Syncer
 from .._syncer_checkpoint import SyncerCheckpoints
 from ._core import eval_loss
+from ._decoupled_config import DECOUPLED_JOB_ENV
+from ._preflight import RunDirLock, check_run_dir_free
 from .config import Config
 from .data import TokenBatches, load_tokens
 from .island import RUN_T0_ENV, initial_model, shared_token
@@ -50,7 +53,18 @@ def max_contribution_tokens(config: Config) -> int:
 
 
 def run_syncer(config: Config) -> int:
-    """Serve until SIGTERM or SIGINT, then evaluate theta_g once more, checkpoint and return 0."""
+    """Serve until SIGTERM or SIGINT, then evaluate theta_g once more, checkpoint and return 0.
+
+    One decoupled run per run folder: started by the launcher, the syncer checks that the folder's lock
+    is its launch's (`DECOUPLED_JOB_ENV`); started by hand, it holds the lock itself while it runs."""
+    job = os.environ.get(DECOUPLED_JOB_ENV)
+    if job:
+        check_run_dir_free(config.run_dir, job=job)
+    with contextlib.nullcontext() if job else RunDirLock(config.run_dir, job="decoupled syncer"):
+        return _serve(config)
+
+
+def _serve(config: Config) -> int:
     dc, d, t = config.decoupled, config.diloco, config.train
     t0 = float(os.environ.get(RUN_T0_ENV, time.time()))
     folder = config.run_dir / "syncer"
