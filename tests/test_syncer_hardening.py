@@ -488,3 +488,148 @@ def test_a_syncer_started_by_hand_holds_the_run_folder(make_config, monkeypatch)
         monkeypatch.setenv("EQX_DILOCO_DECOUPLED_JOB", "decoupled launch 2 ffff")  # another launch's syncer
         with pytest.raises(ConfigError, match="is in use by another trainer"):
             run_syncer(config)
+
+
+# -- decoupled runs through the real processes: every one ends, non-zero after an error ---------------------
+
+
+def _launch(tmp_path, *flags, env=None, timeout=240, launcher=()):
+    """`python -m eqx_diloco.launch --decoupled` of 2 islands; (return code, its output). A run still going
+    after `timeout` seconds is killed (with every process of it) and fails the test."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2", *launcher,
+               "--log-dir", str(tmp_path / "logs"), "--", *TD, "--run-dir", str(tmp_path / "run"), *flags]
+    proc = subprocess.Popen(command, env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the syncer and the islands die with the launcher
+        output, _ = proc.communicate()
+        raise AssertionError(f"the decoupled run did not end within {timeout} s:\n{output}") from None
+    return proc.returncode, output
+
+
+@pytest.mark.slow  # a decoupled launch (about 40 s)
+def test_islands_that_diverge_end_the_run_with_one_line_each(tmp_path):
+    """DL03: with `--train.lr 1e6` the syncer refused both islands, which then never exited: no restart, and
+    the launcher waited for ever. Now each island stops (its own non-finite loss, or the syncer's refusal
+    of a diverged outer gradient), the launcher names both and exits 1."""
+    code, output = _launch(tmp_path, "--train.steps", "16", "--train.lr", "1e6")
+    assert code == 1, output
+    for k in range(2):
+        line = next(line for line in output.splitlines() if line.startswith(f"launcher: island {k} exited with 1"))
+        assert ("non-finite loss" in line or "the island diverged" in line), output
+    assert "Traceback" not in output
+
+
+@pytest.mark.slow  # a syncer and an island process, by hand
+def test_an_island_refused_after_it_joined_exits_at_once(tmp_path):
+    """DK15: an island refused by the syncer (here: another client already contributed as island 0 in the
+    window) printed its line and then never exited, so no supervisor could restart it."""
+    import json
+    import subprocess
+    import sys
+
+    from eqx_diloco.lm.launch import free_port
+
+    port, run = free_port(), tmp_path / "run"
+    env = dict(os.environ, EQX_DILOCO_SYNCER_TOKEN=TOKEN)
+    common = [sys.executable, "-m", "eqx_diloco.train", *TD, "--run-dir", str(run), "--train.steps", "8",
+              "--decoupled.syncer", f"127.0.0.1:{port}", "--decoupled.grace-s", "60"]
+    syncer = subprocess.Popen([*common, "--decoupled.role", "syncer"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    island = None
+    try:
+        address = run / "syncer" / "address.json"
+        deadline = time.monotonic() + 120
+        while not (address.exists() and address.read_text()):
+            assert syncer.poll() is None and time.monotonic() < deadline, syncer.stderr.read()
+            time.sleep(0.1)
+        # Island 0's window of fragment 0 is open with a contribution of "island 0" waiting for island 1.
+        _call(port, "Join", {"island": 0})
+        holder, _ = _in_thread(_call, port, "Push", _push(tokens=64, data=np.zeros(_fragment_size(port), np.float32)),
+                               timeout=90)
+        island = subprocess.Popen([*common, "--decoupled.role", "island", "--decoupled.island", "0"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _, err = island.communicate(timeout=120)
+        assert island.returncode == 1
+        assert err.strip().splitlines()[-1] == ("error: island 0: the syncer refused it: refused: island 0 contributed "
+                                                "to fragment 0 twice in one window (INVALID_ARGUMENT)")
+    finally:
+        for proc in (island, syncer):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.communicate(timeout=60)
+    assert syncer.returncode == 0
+    assert json.loads((run / "syncer" / "summary.json").read_text())["merges"] >= 0
+
+
+def _fragment_size(port) -> int:
+    reply, error = _call(port, "Join", {"island": 1})  # island 1 joins and never reports: windows wait for it
+    assert error is None
+    return reply["theta"][0].size
+
+
+@pytest.mark.slow  # a decoupled launch (about 30 s)
+def test_a_syncer_that_cannot_save_stops_the_run_with_one_line_and_a_non_zero_exit(tmp_path):
+    """DK5 / DK5b: with `syncer/checkpoints` unwritable mid-run the syncer kept serving, nothing was saved,
+    and the launcher exited 0 (a later syncer kill then restarted the run from the initial model)."""
+    import subprocess
+    import sys
+    import shutil
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "eqx_diloco.launch", "--decoupled", "--num-processes", "2", "--log-dir",
+               str(tmp_path / "logs"), "--", *TD, "--run-dir", str(run), "--train.steps", "400"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "syncer" / "address.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        # Every later save fails (also as root, where file modes do not stop a write).
+        checkpoints = run / "syncer" / "checkpoints"
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        checkpoints.write_text("not a folder")
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, output
+    failure = [line for line in output.splitlines() if line.startswith("launcher: the syncer exited with 1")]
+    assert len(failure) == 1 and "error: syncer: saving checkpoint" in failure[0], output
+    assert "Traceback" not in output
+
+
+@pytest.mark.slow  # a syncer that cannot write its checkpoints at all (about 15 s)
+def test_a_syncer_checkpoint_folder_that_cannot_be_written_is_found_before_the_islands_train(tmp_path):
+    run = tmp_path / "run"
+    (run / "syncer").mkdir(parents=True)
+    (run / "syncer" / "checkpoints").write_text("not a folder")
+    code, output = _launch(tmp_path, "--train.steps", "8", timeout=180)
+    assert code == 1, output
+    assert "launcher: the syncer exited with 1 and has no restarts left: error: syncer: saving checkpoint 0" in output
+    assert not (run / "island-0" / "progress.json").exists()
+
+
+@pytest.mark.slow  # two decoupled launches (about 50 s)
+def test_a_finished_decoupled_run_stays_finished_with_fewer_steps(tmp_path):
+    """DK17: rerunning a finished 40-step run with `--train.steps 20` trained for ever (5,388 steps in 150 s):
+    the islands stopped only at step == --train.steps, and a restart began past it."""
+    import json
+
+    code, output = _launch(tmp_path, "--train.steps", "8")
+    assert code == 0, output
+    summary = json.loads((tmp_path / "run" / "syncer" / "summary.json").read_text())
+    code, output = _launch(tmp_path, "--train.steps", "4", timeout=180)
+    assert code == 0, output
+    for k in range(2):
+        from benchmarks._elastic.observe import read_jsonl
+
+        steps = [r["step"] for r in read_jsonl(tmp_path / "run" / f"island-{k}" / "metrics.jsonl") if "loss" in r]
+        assert max(steps) == 8
+    assert json.loads((tmp_path / "run" / "syncer" / "summary.json").read_text())["versions"] == summary["versions"]
