@@ -155,7 +155,7 @@ class SyncerService:
         self._check_token(context)
         try:
             island = self._message(request, context).get("island")
-            self.syncer._check_island(island)
+            self.syncer.check_island(island)
         except (Refused, WireFormatError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
         with self._streams_lock:
@@ -231,7 +231,7 @@ class SyncerService:
         island, fragment, fmt = m["island"], m["fragment"], m["format"]
         if fmt not in quantize.FORMATS:
             raise Refused(f"unknown wire format {fmt!r}")
-        self.syncer._check_island(island)
+        self.syncer.check_island(island)
         if not (is_integer(fragment) and 0 <= fragment < len(self.syncer.sizes)):
             raise Refused(f"fragment {fragment!r} is not one of the run's {len(self.syncer.sizes)} fragments")
         expected = self._expected(fragment, fmt)

@@ -257,14 +257,15 @@ class Syncer:
 
     # -- islands' calls -----------------------------------------------------------------------------------
 
-    def _check_island(self, island: int) -> None:
+    def check_island(self, island: int) -> None:
+        """Raise `Refused` unless `island` is an integer id of this run (not a bool)."""
         if not (is_integer(island) and 0 <= island < self.num_islands):
             raise Refused(f"island {_brief(island)} is not one of this run's {self.num_islands} islands")
 
     def join(self, island: int) -> list[tuple[int, np.ndarray]]:
         """A starting island (it counts towards quorums) or a restarting one (it counts from its first
         contribution); returns (version, theta_g) per fragment."""
-        self._check_island(island)
+        self.check_island(island)
         with self._lock:
             self.joined.add(island)
             if island in self._joined_once:
@@ -278,7 +279,7 @@ class Syncer:
 
     def connected(self, island: int) -> None:
         """`island` opened a connection that stays open while it runs (the service's `Attend`)."""
-        self._check_island(island)
+        self.check_island(island)
         with self._lock:
             self._connections[island] = self._connections.get(island, 0) + 1
 
@@ -293,7 +294,7 @@ class Syncer:
 
     def leave(self, island: int) -> None:
         """An island that finished: the windows stop waiting for it."""
-        self._check_island(island)
+        self.check_island(island)
         with self._lock:
             self.joined.discard(island)
             self.present.discard(island)
@@ -314,7 +315,7 @@ class Syncer:
         version the fragment never had or one older than `max_staleness`, a non-positive token count,
         a wrong size or a non-finite value.
         """
-        self._check_island(island)
+        self.check_island(island)
         if not (is_integer(fragment) and 0 <= fragment < len(self.theta)):
             raise Refused(f"fragment {_brief(fragment)} is not one of the run's {len(self.theta)} fragments")
         if not (is_integer(tokens) and 0 < tokens <= self.max_tokens):
