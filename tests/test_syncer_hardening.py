@@ -633,3 +633,23 @@ def test_a_finished_decoupled_run_stays_finished_with_fewer_steps(tmp_path):
         steps = [r["step"] for r in read_jsonl(tmp_path / "run" / f"island-{k}" / "metrics.jsonl") if "loss" in r]
         assert max(steps) == 8
     assert json.loads((tmp_path / "run" / "syncer" / "summary.json").read_text())["versions"] == summary["versions"]
+
+
+def test_a_syncer_without_checkpoints_does_not_undo_islands_that_synced(make_config, monkeypatch):
+    """DK5b: the syncer restarted from the initial theta_g (`restored: null`) after its checkpoints were
+    lost, the islands rejoined from it, and the run ended with exit 0."""
+    import dataclasses
+
+    from eqx_diloco.lm.config import DecoupledConfig
+    from eqx_diloco.lm.syncer import run_syncer
+
+    monkeypatch.delenv("EQX_DILOCO_DECOUPLED_JOB", raising=False)
+    monkeypatch.setenv("EQX_DILOCO_SYNCER_TOKEN", TOKEN)
+    config = make_config()
+    config = dataclasses.replace(config, decoupled=DecoupledConfig(role="syncer", syncer="127.0.0.1:0"))
+    (config.run_dir / "island-1").mkdir(parents=True)
+    (config.run_dir / "island-1" / "progress.json").write_text('{"step": 24}')
+    with pytest.raises(ConfigError, match=r"holds no checkpoint, but island 1 synced up to step 24") as caught:
+        run_syncer(config)
+    assert "\n" not in str(caught.value)
+    assert not any((config.run_dir / "syncer" / "checkpoints").glob("[0-9]*"))

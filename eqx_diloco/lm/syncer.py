@@ -30,9 +30,9 @@ from .._syncer_checkpoint import SyncerCheckpoints
 from ._core import eval_loss
 from ._decoupled_config import DECOUPLED_JOB_ENV
 from ._preflight import RunDirLock, check_run_dir_free
-from .config import Config
+from .config import Config, ConfigError
 from .data import TokenBatches, load_tokens
-from .island import RUN_T0_ENV, initial_model, shared_token
+from .island import RUN_T0_ENV, initial_model, read_progress, shared_token
 from .metrics import MetricsLog
 from .optimizers import outer_optimizer
 
@@ -50,6 +50,18 @@ def max_contribution_tokens(config: Config) -> int:
     t, d = config.train, config.diloco
     steps = d.sync_period if config.decoupled.wait else t.steps * d.num_replicas
     return min(MAX_TOKENS, TOKEN_HEADROOM * t.batch_size * t.seq_len * max(1, steps))
+
+
+def _check_no_progress(config: Config) -> None:
+    """Raise `ConfigError` when islands of this run folder synced already although the syncer has no
+    checkpoint: starting again from the initial theta_g would silently undo their merges."""
+    for k in range(config.diloco.num_replicas):
+        path = config.run_dir / f"island-{k}" / "progress.json"
+        step = read_progress(path, k)
+        if step > 0:
+            raise ConfigError(f"{config.run_dir / 'syncer' / 'checkpoints'} holds no checkpoint, but island {k} synced "
+                              f"up to step {step} ({path}): theta_g of this run is lost; use a new --run-dir, or delete "
+                              "the island-*/progress.json files to train again from step 0")
 
 
 def run_syncer(config: Config) -> int:
@@ -71,8 +83,7 @@ def _serve(config: Config) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     params, static = eqx.partition(initial_model(config), eqx.is_inexact_array)
     fragmenter = Fragmenter.for_model(params, lambda m: m.blocks, d.num_fragments, d.fragment_pattern)
-    merges, evals, lock = MetricsLog(folder, append=True), MetricsLog(config.run_dir, append=True), threading.Lock()
-    stop = threading.Event()
+    token, lock, stop = shared_token(config), threading.Lock(), threading.Event()
     checkpoints = SyncerCheckpoints(folder / "checkpoints", on_error=lambda message: stop.set())
 
     def on_merge(record: MergeRecord) -> None:
@@ -88,10 +99,13 @@ def _serve(config: Config) -> int:
                     max_staleness=dc.max_staleness, max_tokens=max_contribution_tokens(config), on_merge=on_merge)
     restored = checkpoints.restore(syncer)
     if restored is None:
+        _check_no_progress(config)
         checkpoints.save_now(syncer)  # the initial theta_g: an unwritable folder is found now, not after merges
+    service = SyncerService(syncer, address=dc.syncer, token=token)  # a port it cannot bind: one line, now
     syncer.compile_ahead()
+    merges, evals = MetricsLog(folder, append=True), MetricsLog(config.run_dir, append=True)  # before any merge
     checkpoints.follow(syncer)
-    service = SyncerService(syncer, address=dc.syncer, token=shared_token(config)).start()
+    service.start()
     (folder / "address.json").write_text(json.dumps({"port": service.port, "pid": os.getpid(), "restored": restored}))
     print(f"syncer: listening on port {service.port} for {d.num_replicas} islands"
           + (f", resumed at versions {syncer.versions}" if restored is not None else ""), flush=True)
