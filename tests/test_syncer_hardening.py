@@ -31,8 +31,8 @@ def live():
     """Starts syncers of one 8-value fragment (outer Nesterov SGD, as the trainer's) on free ports."""
     services = []
 
-    def start(*, num_islands=2, grace_s=5.0, theta=None, **kwargs):
-        syncer = Syncer([np.zeros(8, np.float32) if theta is None else theta],
+    def start(*, num_islands=2, grace_s=5.0, theta=None, fragments=1, **kwargs):
+        syncer = Syncer([np.zeros(8, np.float32) if theta is None else theta] * fragments,
                         outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True), num_islands=num_islands,
                         grace_s=grace_s, **kwargs)
         service = SyncerService(syncer, address="127.0.0.1:0", token=TOKEN).start()
@@ -79,12 +79,13 @@ def _in_thread(fn, *args, **kwargs):
     ("data", np.full(8, 3e38, np.float32), "the island diverged"),     # G17: finite, yet makes theta_g Inf
 ])
 def test_a_push_carrying_what_no_island_can_produce_is_refused_in_one_line(live, field, value, match):
-    service = live(num_islands=1, max_tokens=1024)
+    # Two islands and two fragments: `true` would be island 1 or fragment 1, both of this run.
+    service = live(num_islands=2, fragments=2, min_quorum=1, max_tokens=1024)
     _call(service.port, "Join", {"island": 0})
     _, error = _call(service.port, "Push", _push(**{field: value}))
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert match in error.details() and "\n" not in error.details() and len(error.details()) < 300
-    assert service.syncer.versions == [0] and service.syncer.tokens_merged == 0
+    assert service.syncer.versions == [0, 0] and service.syncer.tokens_merged == 0
     # The syncer goes on serving: the island joins again and merges.
     _call(service.port, "Join", {"island": 0})
     reply, error = _call(service.port, "Push", _push(data=np.ones(8, np.float32)))
@@ -289,7 +290,14 @@ def _empty(step_folder):
         shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
-@pytest.mark.parametrize("damage", [_flip_bytes, _truncate, _empty], ids=["flipped", "truncated", "emptied"])
+def _garbage_metadata(step_folder):
+    """The checkpoint's JSON items replaced by bytes that are not JSON."""
+    for name in ("meta", "config"):
+        (step_folder / name / "metadata").write_bytes(b"\x00{not json")
+
+
+@pytest.mark.parametrize("damage", [_flip_bytes, _truncate, _empty, _garbage_metadata],
+                         ids=["flipped", "truncated", "emptied", "metadata"])
 def test_a_damaged_newest_syncer_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capfd, damage):
     """DK14c: flipped bytes restored silently (5,571 values changed, some non-finite); DK14d / DK14e: a
     truncated or emptied newest checkpoint was an 81- / 28-line traceback although an older one was intact."""
@@ -653,3 +661,22 @@ def test_a_syncer_without_checkpoints_does_not_undo_islands_that_synced(make_con
         run_syncer(config)
     assert "\n" not in str(caught.value)
     assert not any((config.run_dir / "syncer" / "checkpoints").glob("[0-9]*"))
+
+
+def test_a_second_island_k_on_one_run_folder_is_refused_in_one_line(make_config, monkeypatch):
+    """DK15: a second island 0 on the run folder trained alongside the first, both writing
+    island-0/metrics.jsonl, until the syncer refused one of them (which then hung)."""
+    import dataclasses
+
+    from eqx_diloco.lm._preflight import RunDirLock
+    from eqx_diloco.lm.config import DecoupledConfig
+    from eqx_diloco.lm.island import run_island
+
+    monkeypatch.setenv("EQX_DILOCO_SYNCER_TOKEN", TOKEN)
+    config = make_config()
+    config = dataclasses.replace(config, decoupled=DecoupledConfig(role="island", island=0, syncer="127.0.0.1:1"))
+    with RunDirLock(config.run_dir / "island-0", job="island 0"):
+        with pytest.raises(ConfigError, match=f"island 0 of {config.run_dir} is already running: ") as caught:
+            run_island(config)
+    assert "\n" not in str(caught.value)
+    assert not (config.run_dir / "island-0" / "metrics.jsonl").exists()
