@@ -116,7 +116,7 @@ class _Ticket:
     arrived: float
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: tuple[int, np.ndarray] | None = None
-    error: "Refused | None" = None  # the window's merge was refused (it would have made theta_g non-finite)
+    error: "Refused | None" = None  # the window's merge was not applied (a non-finite result, or it failed)
 
 
 @dataclasses.dataclass
@@ -312,8 +312,9 @@ class Syncer:
         """Put one outer gradient in `fragment`'s open window; `wait` on the returned ticket for the merge.
 
         Raises `Refused` (one line; the caller drops the island) for an unknown island or fragment, a
-        version the fragment never had or one older than `max_staleness`, a non-positive token count,
-        a wrong size or a non-finite value.
+        version the fragment never had or one older than `max_staleness`, a token count that is not an
+        integer in [1, `max_tokens`], a speed that is not None or a number in (0, `MAX_STEPS_PER_S`], a
+        wrong size, a non-finite value or one beyond `max_delta_scale` times the fragment's scale.
         """
         self.check_island(island)
         if not (is_integer(fragment) and 0 <= fragment < len(self.theta)):
@@ -323,7 +324,8 @@ class Syncer:
         if not is_integer(base_version):
             raise Refused(f"base_version must be an integer (got {_brief(base_version)})")
         island, fragment, tokens, base_version = int(island), int(fragment), int(tokens), int(base_version)
-        if not (steps_per_s is None or (isinstance(steps_per_s, (int, float)) and not isinstance(steps_per_s, bool)
+        if not (steps_per_s is None or (isinstance(steps_per_s, (int, float, np.integer, np.floating))
+                                        and not isinstance(steps_per_s, (bool, np.bool_))
                                         and 0 < steps_per_s <= MAX_STEPS_PER_S)):
             raise Refused(f"steps_per_s must be null or a number in (0, {MAX_STEPS_PER_S:g}] (got {_brief(steps_per_s)})")
         delta = np.asarray(delta)
@@ -367,7 +369,8 @@ class Syncer:
         return ticket
 
     def wait(self, ticket: _Ticket, timeout: float | None = None) -> tuple[int, np.ndarray]:
-        """The (version, theta_g) of the merge that took `ticket` (at most the grace window away)."""
+        """The (version, theta_g) of the merge that took `ticket` (at most the grace window away). Raises
+        `Refused` (kind "version": join again) when that merge was not applied."""
         deadline = None if timeout is None else self.clock() + timeout
         while not ticket.done.wait(0.01):
             self.poll()
