@@ -191,7 +191,13 @@ class Island:
     def leave(self) -> None:
         """Tell the syncer this island is done (the windows stop waiting for it)."""
         self.client.leave(self.island)
-        self._sender.shutdown(wait=False)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the background sender (pushes not yet started are dropped). Call it when the island ends
+        for any reason, before closing the client: an idle sender thread is only stopped at the
+        interpreter's exit, so a process that waits for its threads first would never end."""
+        self._sender.shutdown(wait=False, cancel_futures=True)
 
 
 def adaptive_sync_period(sync_period: int, steps_per_s: float, fastest_steps_per_s: float | None) -> int:

@@ -132,3 +132,8 @@ class IslandGroup:
     def leave(self) -> None:
         if self.island is not None:
             self.island.leave()
+
+    def close(self) -> None:
+        """The `Island`'s `close` (any process may call it)."""
+        if self.island is not None:
+            self.island.close()

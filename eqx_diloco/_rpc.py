@@ -13,7 +13,9 @@ Methods of the service `eqx_diloco.Syncer`:
 - `Leave {island}` -> `{}`: an island that finished.
 - `Attend {island}` -> a stream that never yields: a joined island's client keeps it open while the
   island runs. When it closes (the island's process ended, or its link dropped) the syncer stops
-  waiting for the island at once instead of after a grace window.
+  waiting for the island at once instead of after a grace window. An island may hold at most
+  `ATTEND_PER_ISLAND` open streams (more are refused, RESOURCE_EXHAUSTED), and HTTP/2 keepalive
+  pings close the stream of a host that vanished, so open streams never take the server's threads.
 - `Status {}` -> versions, islands present, tokens merged and refused, merges so far.
 
 Every call carries the shared secret in the metadata `x-eqx-diloco-token` and is refused
@@ -37,13 +39,19 @@ import numpy as np
 
 from . import quantize
 from ._errors import ConfigError
-from ._syncer import Refused, Syncer
+from ._syncer import Refused, Syncer, is_integer
 from ._wire import WireFormatError, decode, encode
 
 SERVICE = "eqx_diloco.Syncer"
 TOKEN_KEY = "x-eqx-diloco-token"
 TOKEN_ENV = "EQX_DILOCO_SYNCER_TOKEN"
 _HEADER_SLACK = 1 << 16  # bytes a push may carry beyond its largest float32 fragment (header, scales)
+ATTEND_PER_ISLAND = 2  # an island's open `Attend` streams: its own, and a restarted one's while the old one closes
+_SHORT_CALLS = 8  # server threads beyond the ones waiting pushes and open streams can hold (Join, Status, Leave)
+# Pings on idle connections find a host that vanished without closing its streams (a power cut, a
+# dropped link): its stream is closed within about a minute, and its thread freed.
+_KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 20_000),
+              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def _identity(x: bytes) -> bytes:
@@ -70,20 +78,26 @@ class SyncerService:
     - `syncer`: the state and merge rule.
     - `address`: `host:port` to listen on (port 0: any free port, see `port`).
     - `token`: the shared secret every call must carry.
-    - `max_workers`: server threads; each waiting push holds one (default: 4 per island + 4).
+    - `max_workers`: server threads; each waiting push and each open `Attend` stream holds one
+      (default: what every island's pushes of every fragment and its streams can hold, and 8 more).
     """
 
     def __init__(self, syncer: Syncer, *, address: str, token: str, max_workers: int | None = None):
         if not token:
-            raise ConfigError("the syncer needs a non-empty shared secret (--decoupled.token or $" + TOKEN_ENV + ")")
+            raise ConfigError("the syncer needs a non-empty shared secret ($" + TOKEN_ENV + " or --decoupled.token-file)")
         self.syncer, self.token = syncer, token.encode()
         # A push carries one fragment (float32 at most); a join's reply carries all of them.
         self.max_message = 4 * max(syncer.sizes) + _HEADER_SLACK
         self._payload_shapes: dict[tuple[int, str], Any] = {}
+        # No SO_REUSEPORT: a second syncer on a port in use must fail, not split the islands with the first.
         options = [("grpc.max_receive_message_length", self.max_message),
-                   ("grpc.max_send_message_length", 4 * sum(syncer.sizes) + _HEADER_SLACK)]
-        workers = max_workers or 4 * syncer.num_islands + 4
+                   ("grpc.max_send_message_length", 4 * sum(syncer.sizes) + _HEADER_SLACK),
+                   ("grpc.so_reuseport", 0), *_KEEPALIVE]
+        # A window holds one push per island, so waiting pushes are at most islands x fragments.
+        workers = max_workers or syncer.num_islands * (len(syncer.sizes) + ATTEND_PER_ISLAND) + _SHORT_CALLS
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
+        self._streams: dict[int, int] = {}  # open `Attend` streams per island
+        self._streams_lock = threading.Lock()
         handlers = {name: grpc.unary_unary_rpc_method_handler(
             self._guarded(method), request_deserializer=_identity, response_serializer=_identity)
             for name, method in [("Join", self._join), ("Push", self._push), ("Leave", self._leave),
@@ -91,7 +105,10 @@ class SyncerService:
         handlers["Attend"] = grpc.unary_stream_rpc_method_handler(
             self._attend, request_deserializer=_identity, response_serializer=_identity)
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises "Failed to bind to address ..." where older ones returned 0
+            self.port = 0
         if self.port == 0:
             raise ConfigError(f"the syncer cannot listen on {address} (in use, or not an address of this host)")
         self._ticker = threading.Thread(target=self._tick, daemon=True)
@@ -138,17 +155,34 @@ class SyncerService:
         self._check_token(context)
         try:
             island = self._message(request, context).get("island")
-            self.syncer.connected(island)
+            self.syncer.check_island(island)
         except (Refused, WireFormatError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
+        with self._streams_lock:
+            full = self._streams.get(island, 0) >= ATTEND_PER_ISLAND
+            if not full:
+                self._streams[island] = self._streams.get(island, 0) + 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"refused: island {island} already holds {ATTEND_PER_ISLAND} open Attend streams")
+        try:
+            self.syncer.connected(island)
+        except BaseException:
+            self._release_stream(island)
+            raise
         ended = threading.Event()
         context.add_callback(ended.set)  # the call ended: the island closed it, or its connection dropped
         try:
             while context.is_active() and not self._stopped.is_set():
                 ended.wait(0.25)
         finally:
+            self._release_stream(island)
             self.syncer.disconnected(island)
         yield from ()
+
+    def _release_stream(self, island: int) -> None:
+        with self._streams_lock:
+            self._streams[island] -= 1
 
     def _guarded(self, method: Callable[[dict], dict]) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -159,7 +193,7 @@ class SyncerService:
                 island = message.get("island")
                 return encode(method(message))
             except Refused as e:
-                if e.kind == "invalid" and isinstance(island, int) and 0 <= island < self.syncer.num_islands:
+                if e.kind == "invalid" and is_integer(island) and 0 <= island < self.syncer.num_islands:
                     self.syncer.drop(island)
                 code = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "version": grpc.StatusCode.FAILED_PRECONDITION,
                         "unknown": grpc.StatusCode.NOT_FOUND}[e.kind]
@@ -167,7 +201,7 @@ class SyncerService:
             except WireFormatError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {e}")
             except (KeyError, TypeError, ValueError) as e:
-                if isinstance(island, int) and 0 <= island < self.syncer.num_islands:
+                if is_integer(island) and 0 <= island < self.syncer.num_islands:
                     self.syncer.drop(island)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: malformed request ({type(e).__name__}: {e})")
 
@@ -197,7 +231,8 @@ class SyncerService:
         island, fragment, fmt = m["island"], m["fragment"], m["format"]
         if fmt not in quantize.FORMATS:
             raise Refused(f"unknown wire format {fmt!r}")
-        if not (isinstance(fragment, int) and 0 <= fragment < len(self.syncer.sizes)):
+        self.syncer.check_island(island)
+        if not (is_integer(fragment) and 0 <= fragment < len(self.syncer.sizes)):
             raise Refused(f"fragment {fragment!r} is not one of the run's {len(self.syncer.sizes)} fragments")
         expected = self._expected(fragment, fmt)
         for name, got, want in [("data", m["data"], expected.data), ("scales", m["scales"], expected.scales)]:
@@ -207,9 +242,8 @@ class SyncerService:
                 raise Refused(f"fragment {fragment}'s {fmt} payload needs {name} {want_spec}, got {got_spec}")
         payload = quantize.Payload(np.asarray(m["data"]), None if m["scales"] is None else np.asarray(m["scales"]))
         delta = np.asarray(quantize.decode(payload, fmt, (self.syncer.sizes[fragment],)), np.float32)
-        rate = m.get("steps_per_s")
-        rate = float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
-        ticket = self.syncer.contribute(island, fragment, m["base_version"], m["tokens"], delta, steps_per_s=rate)
+        ticket = self.syncer.contribute(island, fragment, m["base_version"], m["tokens"], delta,
+                                        steps_per_s=m.get("steps_per_s"))
         version, theta = self.syncer.wait(ticket)
         return {"version": version, "theta": theta, "tokens_merged": self.syncer.tokens_merged,
                 "fastest_steps_per_s": max(self.syncer.steps_per_s.values(), default=None)}

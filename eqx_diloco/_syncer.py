@@ -48,6 +48,13 @@ fresh step (Delayed Nesterov, arXiv 2401.09135, instead buffers contributions an
 every N of them; down-weighting needs no buffer beyond the window, so the merge happens when the
 islands that waited for it are there). Contributions more than `max_staleness` versions old are
 refused: their tokens are lost rather than pulling theta_g back.
+
+**What a call may carry.** Every number is checked against what a run can produce before it reaches
+the merge: ids, versions and token counts are integers (JSON `true` is not 1), token counts at most
+`max_tokens` (below 2**53 in any case, so every sum stays exact in float64), outer gradients finite
+and at most `max_delta_scale` times the fragment's largest magnitude (at least 1), speeds finite and
+at most `MAX_STEPS_PER_S`. A merge whose result would not be finite is not applied: every
+contribution of its window is refused (the islands join again), and theta_g keeps its values.
 """
 
 import dataclasses
@@ -66,6 +73,9 @@ import optax
 
 from ._errors import ConfigError
 
+MAX_TOKENS = 2**53 - 1  # every token count and sum of them is exact in float64
+MAX_STEPS_PER_S = 1e6  # a reported speed above this is no island's
+
 
 class Refused(ValueError):
     """A contribution or call the syncer refuses. Its message is one line; the island is dropped."""
@@ -75,12 +85,24 @@ class Refused(ValueError):
         self.kind = kind  # "invalid", "version" (the island must join again), "unknown" (not joined)
 
 
+def is_integer(x: Any) -> bool:
+    """Whether `x` is an integer and not a bool (JSON `true` would otherwise count as 1)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _brief(x: Any, limit: int = 40) -> str:
+    """`repr(x)`, cut to `limit` characters (a 400-digit token count stays one short line)."""
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def merge_outer_gradient(deltas: Sequence[np.ndarray], tokens: Sequence[int], staleness: Sequence[int]) -> np.ndarray:
-    """The merged outer gradient `sum_i n_i / (1 + s_i) delta_i / sum_i n_i` (float32)."""
-    total = float(sum(tokens))
+    """The merged outer gradient `sum_i n_i / (1 + s_i) delta_i / sum_i n_i` (float32). Each weight is a
+    ratio of integers, at most 1, so no token count can overflow it."""
+    total = sum(int(n) for n in tokens)
     out = np.zeros_like(deltas[0], dtype=np.float32)
     for delta, n, s in zip(deltas, tokens, staleness):
-        out += np.float32(n / (1.0 + s) / total) * delta.astype(np.float32)
+        out += np.float32(int(n) / total / (1 + int(s))) * delta.astype(np.float32)
     return out
 
 
@@ -94,6 +116,7 @@ class _Ticket:
     arrived: float
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: tuple[int, np.ndarray] | None = None
+    error: "Refused | None" = None  # the window's merge was not applied (a non-finite result, or it failed)
 
 
 @dataclasses.dataclass
@@ -131,6 +154,10 @@ class Syncer:
     - `grace_s`: fixed grace window in seconds, or None for the adaptive one (see the module docstring).
     - `grace_factor`, `grace_min_s`, `grace_max_s`: the adaptive grace window's rule.
     - `max_staleness`: the oldest contribution merged, in versions behind the fragment.
+    - `max_tokens`: the largest token count one contribution may carry (None: `MAX_TOKENS`); a run
+      knows it from its batch, sequence length and sync period.
+    - `max_delta_scale`: the largest outer gradient value merged, in multiples of the fragment's
+      largest magnitude (at least 1): a contribution beyond it is refused.
     - `on_merge`: called (outside the lock) with each `MergeRecord`.
     - `clock`: seconds, monotonic (tests pass a fake one).
     """
@@ -147,6 +174,8 @@ class Syncer:
         grace_min_s: float = 0.05,
         grace_max_s: float = 10.0,
         max_staleness: int = 4,
+        max_tokens: int | None = None,
+        max_delta_scale: float = 1e3,
         on_merge: Callable[[MergeRecord], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -160,12 +189,19 @@ class Syncer:
             raise ConfigError(f"need 0 <= grace_min_s <= grace_max_s (got {grace_min_s}, {grace_max_s})")
         if max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0 (got {max_staleness})")
+        if max_tokens is not None and not (is_integer(max_tokens) and 1 <= max_tokens <= MAX_TOKENS):
+            raise ConfigError(f"max_tokens must be an integer in [1, 2**53) (got {max_tokens!r})")
+        if not (math.isfinite(max_delta_scale) and max_delta_scale > 0):
+            raise ConfigError(f"max_delta_scale must be a finite number > 0 (got {max_delta_scale})")
         self.theta = [np.array(f, np.float32).reshape(-1) for f in fragments]
         self.sizes = tuple(t.size for t in self.theta)
         self.outer_optimizer = outer_optimizer
         self.opt_states = [outer_optimizer.init(jnp.asarray(t)) for t in self.theta]
         self.versions = [0] * len(self.theta)
         self.num_islands, self.max_staleness = num_islands, max_staleness
+        self.max_tokens = MAX_TOKENS if max_tokens is None else int(max_tokens)
+        self.max_delta_scale = float(max_delta_scale)
+        self._scales = [self._scale(t) for t in self.theta]  # each fragment's largest magnitude (at least 1)
         self.min_quorum = num_islands if min_quorum is None else min_quorum
         self.grace_s, self.grace_factor = grace_s, grace_factor
         self.grace_min_s, self.grace_max_s = grace_min_s, grace_max_s
@@ -184,6 +220,10 @@ class Syncer:
         self._lags: deque[float] = deque(maxlen=64)
         self._lock = threading.Lock()
         self._update = jax.jit(lambda theta, state, gradient: self._apply(outer_optimizer, theta, state, gradient))
+
+    @staticmethod
+    def _scale(theta: np.ndarray) -> float:
+        return max(1.0, float(np.max(np.abs(theta), initial=0.0)))
 
     def compile_ahead(self) -> None:
         """Compile (or load from the persistent cache) every fragment's outer step now, before islands
@@ -213,17 +253,19 @@ class Syncer:
             self.opt_states = jax.tree.map(jnp.asarray, tree["opt_states"])
             self.versions = [int(v) for v in np.asarray(tree["versions"])]
             self.tokens_merged = float(tree["tokens_merged"])
+            self._scales = [self._scale(t) for t in self.theta]
 
     # -- islands' calls -----------------------------------------------------------------------------------
 
-    def _check_island(self, island: int) -> None:
-        if not (isinstance(island, int) and 0 <= island < self.num_islands):
-            raise Refused(f"island {island!r} is not one of this run's {self.num_islands} islands")
+    def check_island(self, island: int) -> None:
+        """Raise `Refused` unless `island` is an integer id of this run (not a bool)."""
+        if not (is_integer(island) and 0 <= island < self.num_islands):
+            raise Refused(f"island {_brief(island)} is not one of this run's {self.num_islands} islands")
 
     def join(self, island: int) -> list[tuple[int, np.ndarray]]:
         """A starting island (it counts towards quorums) or a restarting one (it counts from its first
         contribution); returns (version, theta_g) per fragment."""
-        self._check_island(island)
+        self.check_island(island)
         with self._lock:
             self.joined.add(island)
             if island in self._joined_once:
@@ -237,7 +279,7 @@ class Syncer:
 
     def connected(self, island: int) -> None:
         """`island` opened a connection that stays open while it runs (the service's `Attend`)."""
-        self._check_island(island)
+        self.check_island(island)
         with self._lock:
             self._connections[island] = self._connections.get(island, 0) + 1
 
@@ -252,7 +294,7 @@ class Syncer:
 
     def leave(self, island: int) -> None:
         """An island that finished: the windows stop waiting for it."""
-        self._check_island(island)
+        self.check_island(island)
         with self._lock:
             self.joined.discard(island)
             self.present.discard(island)
@@ -270,32 +312,44 @@ class Syncer:
         """Put one outer gradient in `fragment`'s open window; `wait` on the returned ticket for the merge.
 
         Raises `Refused` (one line; the caller drops the island) for an unknown island or fragment, a
-        version the fragment never had or one older than `max_staleness`, a non-positive token count,
-        a wrong size or a non-finite value.
+        version the fragment never had or one older than `max_staleness`, a token count that is not an
+        integer in [1, `max_tokens`], a speed that is not None or a number in (0, `MAX_STEPS_PER_S`], a
+        wrong size, a non-finite value or one beyond `max_delta_scale` times the fragment's scale.
         """
-        self._check_island(island)
-        if not (isinstance(fragment, int) and 0 <= fragment < len(self.theta)):
-            raise Refused(f"fragment {fragment!r} is not one of the run's {len(self.theta)} fragments")
-        if not (isinstance(tokens, int) and tokens > 0):
-            raise Refused(f"tokens must be a positive integer (got {tokens!r})")
+        self.check_island(island)
+        if not (is_integer(fragment) and 0 <= fragment < len(self.theta)):
+            raise Refused(f"fragment {_brief(fragment)} is not one of the run's {len(self.theta)} fragments")
+        if not (is_integer(tokens) and 0 < tokens <= self.max_tokens):
+            raise Refused(f"tokens must be a positive integer at most {self.max_tokens} (got {_brief(tokens)})")
+        if not is_integer(base_version):
+            raise Refused(f"base_version must be an integer (got {_brief(base_version)})")
+        island, fragment, tokens, base_version = int(island), int(fragment), int(tokens), int(base_version)
+        if not (steps_per_s is None or (isinstance(steps_per_s, (int, float, np.integer, np.floating))
+                                        and not isinstance(steps_per_s, (bool, np.bool_))
+                                        and 0 < steps_per_s <= MAX_STEPS_PER_S)):
+            raise Refused(f"steps_per_s must be null or a number in (0, {MAX_STEPS_PER_S:g}] (got {_brief(steps_per_s)})")
         delta = np.asarray(delta)
         if delta.dtype != np.float32 or delta.shape != (self.sizes[fragment],):
             raise Refused(f"fragment {fragment} takes {self.sizes[fragment]} float32 values, got "
                           f"{delta.dtype} of shape {delta.shape}")
         if not np.isfinite(delta).all():
             raise Refused(f"island {island}'s outer gradient of fragment {fragment} holds NaN or Inf")
+        largest, bound = float(np.max(np.abs(delta), initial=0.0)), self.max_delta_scale * self._scales[fragment]
+        if largest > bound:
+            raise Refused(f"island {island}'s outer gradient of fragment {fragment} reaches {largest:.3g}, more than "
+                          f"{self.max_delta_scale:g} x the fragment's scale ({bound:.3g}): the island diverged")
         with self._lock:
             if island not in self.joined:
                 raise Refused(f"island {island} has not joined (or was dropped): join first", kind="unknown")
             version = self.versions[fragment]
-            if not (isinstance(base_version, int) and 0 <= base_version <= version):
-                raise Refused(f"island {island} started fragment {fragment} from version {base_version!r}, "
+            if not 0 <= base_version <= version:
+                raise Refused(f"island {island} started fragment {fragment} from version {_brief(base_version)}, "
                               f"which the syncer never had (it is at {version})", kind="version")
             if version - base_version > self.max_staleness:
                 self.tokens_refused += tokens * self._share(fragment)
                 raise Refused(f"island {island}'s contribution to fragment {fragment} is {version - base_version} "
                               f"versions old, more than max_staleness {self.max_staleness}", kind="version")
-            if steps_per_s is not None and math.isfinite(steps_per_s) and steps_per_s > 0:
+            if steps_per_s is not None:
                 self.steps_per_s[island] = float(steps_per_s)
             now = self.clock()
             ticket = _Ticket(island, fragment, base_version, tokens, delta, now)
@@ -315,12 +369,15 @@ class Syncer:
         return ticket
 
     def wait(self, ticket: _Ticket, timeout: float | None = None) -> tuple[int, np.ndarray]:
-        """The (version, theta_g) of the merge that took `ticket` (at most the grace window away)."""
+        """The (version, theta_g) of the merge that took `ticket` (at most the grace window away). Raises
+        `Refused` (kind "version": join again) when that merge was not applied."""
         deadline = None if timeout is None else self.clock() + timeout
         while not ticket.done.wait(0.01):
             self.poll()
             if deadline is not None and self.clock() > deadline:
                 raise TimeoutError(f"no merge of fragment {ticket.fragment} within {timeout} s")
+        if ticket.error is not None:
+            raise ticket.error
         assert ticket.result is not None
         return ticket.result
 
@@ -365,22 +422,41 @@ class Syncer:
                     self._late[fragment] = self.present - islands
                     self.present &= islands  # the missing islands stop holding windows open
                 del self._windows[fragment]
-                records.append(self._merge(fragment, window, by_grace=not full, now=now))
+                try:
+                    records.append(self._merge(fragment, window, by_grace=not full, now=now))
+                except Refused as e:  # theta_g keeps its values; every island of the window is told
+                    self.tokens_refused += sum(t.tokens for t in window.tickets) * self._share(fragment)
+                    for t in window.tickets:
+                        t.error = e
+                        t.done.set()
         return records
 
     @staticmethod
     def _apply(optimizer, theta, opt_state, gradient):
-        updates, opt_state = optimizer.update(gradient, opt_state, theta)
-        return optax.apply_updates(theta, updates), opt_state
+        updates, new_state = optimizer.update(gradient, opt_state, theta)
+        new_theta = optax.apply_updates(theta, updates)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((new_theta, new_state))
+                                    if jnp.issubdtype(x.dtype, jnp.inexact)]))
+        return new_theta, new_state, finite
 
     def _merge(self, fragment: int, window: _Window, *, by_grace: bool, now: float) -> MergeRecord:
         version = self.versions[fragment]
         tickets = window.tickets
         staleness = [version - t.base_version for t in tickets]
-        gradient = merge_outer_gradient([t.delta for t in tickets], [t.tokens for t in tickets], staleness)
-        theta, self.opt_states[fragment] = self._update(
-            jnp.asarray(self.theta[fragment]), self.opt_states[fragment], jnp.asarray(gradient))
+        try:
+            gradient = merge_outer_gradient([t.delta for t in tickets], [t.tokens for t in tickets], staleness)
+            theta, opt_state, finite = self._update(
+                jnp.asarray(self.theta[fragment]), self.opt_states[fragment], jnp.asarray(gradient))
+            finite = bool(finite) and bool(np.isfinite(gradient).all())
+        except Exception as e:  # noqa: BLE001 - a merge that fails must still answer every island of its window
+            raise Refused(f"the merge of fragment {fragment} at version {version} failed "
+                          f"({type(e).__name__}: {e}); its contributions are refused", kind="version") from None
+        if not finite:
+            raise Refused(f"the merge of fragment {fragment} at version {version} would make theta_g or the outer "
+                          "optimizer state non-finite; its contributions are refused", kind="version")
+        self.opt_states[fragment] = opt_state
         self.theta[fragment] = np.asarray(theta, np.float32)
+        self._scales[fragment] = self._scale(self.theta[fragment])
         self.versions[fragment] = version + 1
         tokens = sum(t.tokens for t in tickets)
         self.tokens_merged += tokens * self._share(fragment)

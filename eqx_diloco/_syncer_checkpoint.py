@@ -1,53 +1,106 @@
 """Orbax checkpoints of a `Syncer`: theta_g, the outer optimizer states, versions and tokens merged.
 
+They are the trainer's checkpoints (`Checkpointer`): every array carries a checksum verified on
+restore, and a newest checkpoint that is corrupt, truncated or empty is reported, moved aside to
+`<step>.corrupt`, and the newest intact one before it is used. A checkpoint of another run (other
+fragment sizes, another outer optimizer) is refused in one line.
+
 A background thread saves the newest state after merges (one save at a time; merges that land
 meanwhile are folded into the next save), so a merge never waits for the disk. The step of a
 checkpoint is the sum of the fragments' versions, which only grows, also across restarts. A syncer
 killed and restarted resumes from the newest complete checkpoint: what it loses is the merges after
 it, at most the one in flight plus the one being written, and islands that started from a lost
-version are asked to join again.
+version are asked to join again. A save that fails is kept as `error` and reported through
+`on_error` at once (the command-line syncer stops on it), and again by `close`.
 """
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
+from jax.sharding import SingleDeviceSharding
 
+from ._checkpoint import Checkpointer, CheckpointSaveError
 from ._syncer import Syncer
+
+KIND = "eqx_diloco.syncer"
+
+
+def _saved_tree(state: dict[str, Any]) -> dict[str, Any]:
+    """`Syncer.state_tree` with its 64-bit scalars as 32-bit words (JAX keeps 32 bits by default, and
+    the checksums are computed by JAX): versions as int32, tokens merged as the two uint32 halves of
+    its float64."""
+    return {"theta": state["theta"], "opt_states": state["opt_states"],
+            "versions": np.asarray(state["versions"], np.int32),
+            "tokens_merged": np.asarray(state["tokens_merged"], np.float64).reshape(1).view(np.uint32)}
+
+
+def _syncer_tree(saved: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `_saved_tree`, as host arrays."""
+    words = np.ascontiguousarray(np.asarray(saved["tokens_merged"], np.uint32))
+    return {"theta": [np.asarray(t) for t in saved["theta"]], "opt_states": jax.tree.map(np.asarray, saved["opt_states"]),
+            "versions": np.asarray(saved["versions"], np.int64), "tokens_merged": words.view(np.float64)[0]}
 
 
 class SyncerCheckpoints:
-    """Saves and restores one `Syncer` in `directory` (keeps the newest `keep`)."""
+    """Saves and restores one `Syncer` in `directory` (keeps the newest `keep`).
 
-    def __init__(self, directory: str | Path, *, keep: int = 2):
-        self.directory = Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                                  enable_async_checkpointing=False))
+    **Arguments:**
+
+    - `directory`: the checkpoint folder (one sub-folder per step).
+    - `keep`: how many checkpoints to keep.
+    - `on_error`: called (from the saving thread) with the one-line message of a failed background save.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 2, on_error: Callable[[str], None] | None = None):
+        self.checkpointer = Checkpointer(Path(directory), every=1, keep=keep)
+        self.directory = self.checkpointer.directory
+        self.on_error = on_error
         self._pending = threading.Event()
         self._stop = threading.Event()
         self._syncer: Syncer | None = None
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self._saved_step: int | None = None
+        self.error: CheckpointSaveError | None = None
 
     def restore(self, syncer: Syncer) -> int | None:
-        """Load the newest checkpoint into `syncer`; its step, or None when there is none."""
-        step = self.manager.latest_step()
-        if step is None:
+        """Load the newest intact checkpoint into `syncer`; its step, or None when there is none.
+
+        Raises `ConfigError` (one line) for a checkpoint of another run, and `CheckpointError` when
+        checkpoints exist but none restores."""
+        tree = _saved_tree(syncer.state_tree())
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+        device = SingleDeviceSharding(jax.devices()[0])
+        restored = self.checkpointer.restore_latest(abstract, jax.tree.map(lambda _: device, tree),
+                                                    check=lambda saved, step: self._check(saved, syncer))
+        if restored is None:
             return None
-        target = jax.tree.map(np.asarray, syncer.state_tree())
-        tree = self.manager.restore(step, args=ocp.args.StandardRestore(target))
-        syncer.load_state_tree(tree)
+        state, step = restored
+        syncer.load_state_tree(_syncer_tree(state))
+        self._saved_step = step
         return step
 
+    @staticmethod
+    def _check(saved: dict, syncer: Syncer) -> str | None:
+        if saved.get("kind") != KIND:
+            return "the checkpoint is not a syncer's"
+        sizes = tuple(saved.get("sizes") or ())
+        if sizes != syncer.sizes:
+            return f"the syncer checkpoint holds fragments of sizes {sizes}, this run makes {syncer.sizes}"
+        return None
+
     def save_now(self, syncer: Syncer) -> None:
+        """Save `syncer`'s state now, unless a checkpoint of its step exists (raises `CheckpointSaveError`)."""
         tree = syncer.state_tree()
         step = int(np.sum(tree["versions"]))
-        if self.manager.latest_step() != step:
-            self.manager.save(step, args=ocp.args.StandardSave(tree))
-            self.manager.wait_until_finished()
+        if step == self._saved_step:
+            return
+        self.checkpointer.save(step, _saved_tree(tree), metadata={"kind": KIND, "sizes": list(syncer.sizes)})
+        self.checkpointer.wait()
+        self._saved_step = step
 
     def follow(self, syncer: Syncer) -> None:
         """Save `syncer` in the background after every `mark` (call `mark` from its merge callback)."""
@@ -59,19 +112,33 @@ class SyncerCheckpoints:
         self._pending.set()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.error is None:
             if not self._pending.wait(0.1):
                 continue
             self._pending.clear()
             try:
                 self.save_now(self._syncer)
-            except BaseException as e:  # reported by `close`; the syncer keeps serving
+            except CheckpointSaveError as e:
                 self.error = e
+                if self.on_error is not None:
+                    self.on_error(str(e))
 
     def close(self) -> None:
-        """Write the newest state and stop the background thread."""
+        """Write the newest state and stop the background thread. Raises the first failed save's
+        `CheckpointSaveError`, or the final save's."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            self.save_now(self._syncer)
-        self.manager.close()
+        error = self.error
+        if error is None and self._syncer is not None:
+            try:
+                self.save_now(self._syncer)
+            except CheckpointSaveError as e:
+                error = e
+        try:
+            self.checkpointer.close()
+        except Exception:  # noqa: BLE001 - orbax raising the failed save's error again
+            if error is None:
+                raise
+        if error is not None:
+            raise error

@@ -4,7 +4,7 @@ It reads its role from the flags the launcher adds (`--decoupled.role`, `--decou
 `--dist.process-id`, `--dist.coordinator-address`) and appends one JSON line per start to
 `$DECOUPLED_CHILD_DIR/starts.jsonl` (role, island, process, pid, coordinator, the CPUs it may use). Then:
 
-- the syncer sleeps until it is stopped (SIGTERM);
+- the syncer sleeps until it is stopped (SIGTERM), then exits 0 as the real syncer does;
 - a spare (`--decoupled.standby`) reads its assignment, `{"island": K, "cpus": [...]}`, from its standard
   input, keeps to those CPUs, appends `{"took": K, "pid": ..., "cpus": ...}` and goes on as island K;
 - an island process listed in `$DECOUPLED_CHILD_FAIL` as `K:P` (island K, process P) exits 1 after a
@@ -14,6 +14,7 @@ It reads its role from the flags the launcher adds (`--decoupled.role`, `--decou
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ if "--decoupled.standby" in sys.argv:
         log.write(json.dumps({"took": island, "process": int(process), "pid": os.getpid(),
                               "cpus": sorted(os.sched_getaffinity(0))}) + "\n")
 if role == "syncer":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     time.sleep(600)
     sys.exit(0)
 me = f"{island}:{process}"

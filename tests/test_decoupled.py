@@ -997,8 +997,9 @@ def test_without_waiting_an_island_pushes_a_fragment_again_only_once_its_merge_i
 
     syncer.contribute = slow_contribute
     s = SyncerService(syncer, address="127.0.0.1:0", token=TOKEN).start()
+    monkeypatch.setenv("EQX_DILOCO_SYNCER_TOKEN", TOKEN)
     config = dataclasses.replace(config, decoupled=DecoupledConfig(
-        role="island", island=0, syncer=f"127.0.0.1:{s.port}", token=TOKEN, wait=False))
+        role="island", island=0, syncer=f"127.0.0.1:{s.port}", wait=False))
     config = dataclasses.replace(config, diloco=dataclasses.replace(config.diloco, num_replicas=1))
     log = config.run_dir / "island-0" / "metrics.jsonl"
     try:
@@ -1060,8 +1061,9 @@ def test_a_standby_island_compiles_before_its_assignment_and_trains_as_the_islan
     syncer = make_syncer(initial_model(config), layers=lambda m: m.blocks, num_islands=2, grace_s=0.0,
                          outer_optimizer=optax.sgd(1.0))
     s = SyncerService(syncer, address="127.0.0.1:0", token=TOKEN).start()
+    monkeypatch.setenv("EQX_DILOCO_SYNCER_TOKEN", TOKEN)
     config = dataclasses.replace(config, decoupled=DecoupledConfig(
-        role="island", syncer=f"127.0.0.1:{s.port}", token=TOKEN, standby=True))
+        role="island", syncer=f"127.0.0.1:{s.port}", standby=True))
     try:
         with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix float and int32 counts
             assert run_island(config) == 0

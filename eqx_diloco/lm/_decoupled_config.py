@@ -1,12 +1,24 @@
 """`--decoupled.*`: the flags of decoupled islands (`lm/island.py`, `lm/syncer.py`) and their rules."""
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from .._errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import Config
+
+
+# Set by `python -m eqx_diloco.launch --decoupled` for its syncer and islands: the job its lock on the run
+# folder names, so they tell their own launch's lock from another run's.
+DECOUPLED_JOB_ENV = "EQX_DILOCO_DECOUPLED_JOB"
+
+
+def read_token_file(path: Path) -> str:
+    """The shared secret in `path`: its first line, without surrounding white space."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readline(4096).strip()
 
 
 def _require(condition: bool, message: str) -> None:
@@ -23,7 +35,9 @@ class DecoupledConfig:
     syncer: str = "127.0.0.1:50051"
     """HOST:PORT of the syncer: where it listens (role syncer; 0.0.0.0:PORT for every interface) and where islands reach it."""
     token: str | None = None
-    """the shared secret every call to the syncer carries (default: $EQX_DILOCO_SYNCER_TOKEN); a call without it is refused."""
+    """refused: a secret on the command line is visible to every user of the machine (`ps`) and was written to config.json. Set $EQX_DILOCO_SYNCER_TOKEN, or put it in a file and pass --decoupled.token-file."""
+    token_file: Path | None = None
+    """a file holding the shared secret every call to the syncer carries (its first line; default: $EQX_DILOCO_SYNCER_TOKEN); a call without it is refused. Make it readable by you alone."""
     island: int = 0
     """this island's id, in [0, --diloco.num-replicas): it picks the island's data share and random streams."""
     standby: bool = False
@@ -50,6 +64,17 @@ class DecoupledConfig:
 
 def validate_decoupled(config: "Config") -> None:
     """The `--decoupled.*` rules and what decoupled islands do not combine with (one-line `ConfigError`)."""
+    dc = config.decoupled
+    _require(dc.token is None, "--decoupled.token would show the shared secret to every user of this machine "
+             "(ps) and write it to the run's files: set $EQX_DILOCO_SYNCER_TOKEN, or put it in a file and pass "
+             "--decoupled.token-file FILE")
+    if dc.token_file is not None:
+        _require(dc.token_file.is_file(), f"--decoupled.token-file {dc.token_file} is not a file")
+        try:
+            secret = read_token_file(dc.token_file)
+        except OSError as e:
+            raise ConfigError(f"--decoupled.token-file {dc.token_file} cannot be read ({e.strerror})") from None
+        _require(bool(secret), f"--decoupled.token-file {dc.token_file} is empty: its first line is the shared secret")
     if config.decoupled.role == "off":
         return
     _require(config.algorithm == "diloco", "--decoupled.role needs --algorithm diloco (ddp averages every step)")

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from .._rpc import TOKEN_ENV
+from ._decoupled_config import DECOUPLED_JOB_ENV
 from ._processes import (
     LauncherSignals,
     _die_with_launcher,
@@ -128,6 +129,29 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
     restarted one to the same share. With `spares`, that many standby islands (`--decoupled.standby`)
     are kept ready: a lost island's restart is a spare taking its place (a new spare starts behind it
     while restarts are left), else a fresh start."""
+    from ._preflight import RunDirLock
+    from .config import ConfigError
+
+    # One decoupled run per run folder, as one trainer: the launch holds the folder's lock, and its
+    # syncer and islands find their own job in it.
+    job = f"decoupled launch {os.getpid()} {secrets.token_hex(4)}"
+    try:
+        lock = RunDirLock(_run_dir(flags), job=job).__enter__()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _launch_decoupled(num_islands, flags, module=module, log_dir=log_dir, grace_s=grace_s,
+                                 max_restarts=max_restarts, rejoin_after_s=rejoin_after_s,
+                                 processes_per_island=processes_per_island, split_cpus=split_cpus, spares=spares,
+                                 job=job)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir: Path, grace_s: float,
+                      max_restarts: int, rejoin_after_s: float, processes_per_island: int, split_cpus: bool,
+                      spares: int, job: str) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     address = flag_value(flags, "--decoupled.syncer")
     if address is None:
@@ -138,6 +162,7 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault(RUN_T0_ENV, repr(time.time()))  # the islands' and the syncer's common clock
     env.setdefault(TOKEN_ENV, secrets.token_hex(16))
+    env[DECOUPLED_JOB_ENV] = job
     syncer = _Role("syncer", [*flags, "--decoupled.role", "syncer"], log_dir / "syncer.log", env, max_restarts)
     shares = cpu_shares(num_islands * processes_per_island) if split_cpus else None
 
@@ -229,9 +254,12 @@ def launch_decoupled(num_islands: int, flags: list[str], *, module: str, log_dir
             if syncer.proc is not None:
                 signal_group(syncer.proc, signal.SIGTERM)
                 try:
-                    syncer.proc.wait(grace_s)
+                    code = syncer.proc.wait(grace_s)
                 except subprocess.TimeoutExpired:
                     failed.append(f"the syncer did not stop within --grace-s {grace_s:g}")
+                else:
+                    if code != 0:  # e.g. its last checkpoint could not be written: theta_g is not saved
+                        failed.append(f"the syncer exited with {code}: {(tail(syncer.log, 1) or '').strip()}")
     finally:
         stop_all([proc for r in [*roles, *pool] for proc in r.procs], grace_s)
         for line in failed:

@@ -12,10 +12,12 @@ stay there, as work done. `time` is seconds since `$EQX_DILOCO_RUN_T0` (the laun
 since the island started, so the islands' logs share one clock.
 """
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -38,6 +40,8 @@ from ._compile_cpus import keep_to_cpus
 from ._core import lm_objective, new_model, transformer_specs
 from ._core import place as place_batch
 from ._env_hooks import island_speed
+from ._preflight import RunDirLock
+from ._decoupled_config import read_token_file
 from .config import Config, ConfigError, error_feedback_argument
 from .data import TokenBatches, load_tokens
 from .metrics import MetricsLog
@@ -51,9 +55,12 @@ class IslandError(RuntimeError):
 
 
 def shared_token(config: Config) -> str:
-    token = config.decoupled.token or os.environ.get(TOKEN_ENV, "")
+    """The shared secret: the first line of `--decoupled.token-file`, else `$EQX_DILOCO_SYNCER_TOKEN`
+    (never a flag's value: a command line is visible to every user of the machine)."""
+    path = config.decoupled.token_file
+    token = read_token_file(path) if path is not None else os.environ.get(TOKEN_ENV, "")
     if not token:
-        raise ConfigError(f"--decoupled.token is not set and ${TOKEN_ENV} is empty: the syncer refuses calls "
+        raise ConfigError(f"${TOKEN_ENV} is empty and --decoupled.token-file is not set: the syncer refuses calls "
                           "without the shared secret")
     return token
 
@@ -105,6 +112,21 @@ def _replicated_scalar(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback((), sharding, lambda _: value)
 
 
+def read_progress(path: Path, island: int) -> int:
+    """The step of island `island`'s newest sync, from its `progress.json` (0 when there is none).
+    Raises `ConfigError` (one line) for a file that is not `{"step": N}`."""
+    if not path.exists():
+        return 0
+    try:
+        step = json.loads(path.read_text())["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step {str(step)[:40]} is not an integer >= 0")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not {{\"step\": N}} ({type(e).__name__}: {str(e)[:80]}): fix it, or delete it "
+                          f"to restart island {island} from step 0") from None
+    return step
+
+
 def _write_progress(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"step": step}))
@@ -137,15 +159,24 @@ def await_assignment(config: Config) -> Config:
         raise IslandError("standby island: its standard input closed before it was given an island to become")
     try:
         message = json.loads(line)
-        k, cpus = int(message["island"]), message.get("cpus")
+        k, cpus = message["island"], message.get("cpus")
     except (ValueError, KeyError, TypeError) as e:
         raise IslandError(f"standby island: expected a line {{\"island\": K, \"cpus\": [...]}} on standard input, "
                           f"got {line.strip()[:80]!r} ({e})") from None
-    if not 0 <= k < config.diloco.num_replicas:
-        raise IslandError(f"standby island: island {k} is not in [0, {config.diloco.num_replicas}) "
-                          "(--diloco.num-replicas)")
+    if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k < config.diloco.num_replicas):
+        raise IslandError(f"standby island: island {str(k)[:40]} is not in [0, {config.diloco.num_replicas}) "
+                          "(an integer; --diloco.num-replicas)")
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if cpus is not None and not (isinstance(cpus, list) and cpus and all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c < (os.cpu_count() or 1) for c in cpus)):
+        raise IslandError(f"standby island: \"cpus\" must be null or a non-empty list of this machine's CPU numbers "
+                          f"(0 to {(os.cpu_count() or 1) - 1}; this process has {mine}), got {str(cpus)[:80]}")
     if cpus:
-        keep_to_cpus(cpus)
+        try:
+            keep_to_cpus(cpus)
+        except OSError as e:
+            raise IslandError(f"standby island: cannot keep to \"cpus\" {cpus[:16]} ({e.strerror}); this process "
+                              f"may use {mine}") from None
     return dataclasses.replace(config, decoupled=dataclasses.replace(config.decoupled, island=k, standby=False))
 
 
@@ -187,8 +218,12 @@ def run_island(config: Config) -> int:
     dc, k = config.decoupled, config.decoupled.island
     folder = config.run_dir / f"island-{k}"
     progress = folder / "progress.json"
-    if leader:
-        folder.mkdir(parents=True, exist_ok=True)
+    held = contextlib.ExitStack()  # released in the `finally` below (and by the kernel at any exit)
+    if leader:  # one island K per run folder: a second one would interleave its files and pushes
+        try:
+            held.enter_context(RunDirLock(folder, job=f"island {k}"))
+        except ConfigError as e:
+            raise ConfigError(f"island {k} of {config.run_dir} is already running: {e}") from None
         (folder / "pid").write_text(str(os.getpid()))  # whoever supervises or tests the island can signal it
     batches = _batches(config, tokens, k)
     island = new_island(k)
@@ -203,7 +238,7 @@ def run_island(config: Config) -> int:
 
     try:
         # Where the island's newest sync left it (the leader's file: every process goes on from there).
-        start = group.agree(json.loads(progress.read_text())["step"] if leader and progress.exists() else 0)
+        start = group.agree(read_progress(progress, k) if leader else 0)
         params = group.join(params)
         write({"step": start, "time": time.time() - t0, "joined": True, "versions": group.versions,
                "devices": batch_sharding.mesh.size, "processes": jax.process_count()})
@@ -232,12 +267,17 @@ def run_island(config: Config) -> int:
             return True
 
         for step in itertools.count(start):
-            if dc.wait and step == t.steps or step == start and budget_reached(step):  # (restarted after the end)
+            # (restarted after the end; also with fewer --train.steps than the run made, which then stays finished)
+            if dc.wait and step >= t.steps or step == start and budget_reached(step):
                 break
             began = time.perf_counter()
             batch = place_batch(batches.batch(step)[0], batch_sharding)
             params, opt_state, loss = step_fn(params, opt_state, batch, jax.random.fold_in(key, step))
             loss = float(loss)
+            if not math.isfinite(loss):  # its parameters diverged: pushed, they would only be refused
+                write({"step": step + 1, "time": time.time() - t0, "loss": loss, "tokens": tokens_per_step})
+                raise IslandError(f"island {k}: non-finite loss ({loss}) at step {step + 1}: it diverged (a lower "
+                                  "--train.lr?); a restart joins again from theta_g")
             speed.hold(loss)
             took = time.perf_counter() - began
             seconds_per_step = took if seconds_per_step is None else 0.9 * seconds_per_step + 0.1 * took
@@ -291,6 +331,8 @@ def run_island(config: Config) -> int:
     except SyncRefused as e:
         raise IslandError(f"island {k}: the syncer refused it: {e}") from None
     finally:
+        held.close()
+        group.close()  # its sender thread would keep the process from ending
         if log is not None:
             log.close()
         if client is not None:

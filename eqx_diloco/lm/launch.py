@@ -359,6 +359,9 @@ def _decoupled(args: argparse.Namespace, flags: list[str]) -> int:
         print(f"error: --spares must be >= 0, and needs --max-restarts >= 1 (a spare taking a lost island's place "
               f"is its restart; got --spares {args.spares}, --max-restarts {args.max_restarts})", file=sys.stderr)
         return 2
+    if args.log_dir is not None and args.log_dir.exists() and not args.log_dir.is_dir():
+        print(f"error: --log-dir is not a folder: {args.log_dir}", file=sys.stderr)
+        return 2
     from .decoupled import launch_decoupled
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="eqx_diloco_decoupled_"))

@@ -189,9 +189,17 @@ def _decoupled(config: Config, process: _Process) -> int:
     enable_compilation_cache(config)
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     if config.decoupled.role == "syncer":
+        from .._checkpoint import CheckpointSaveError
         from .syncer import run_syncer
 
-        return run_syncer(config)
+        # A failed save: one line, not orbax's and asyncio's reports of each of its threads (as the trainer).
+        logging.getLogger("asyncio").addFilter(_drop_unretrieved_task_errors)
+        sys.unraisablehook = _quiet_closed_event_loops()
+        try:
+            return run_syncer(config)
+        except CheckpointSaveError as e:
+            threading.excepthook = sys.unraisablehook = lambda args: None
+            return _fail(process, 1, f"syncer: {e}", hard=True)
     from .island import IslandError, run_island
 
     try:
