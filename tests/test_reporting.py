@@ -33,7 +33,7 @@ class RecordingGather:
         for i, arrays in enumerate(batch):
             done: Future = Future()
             values = {k: np.asarray(v) for k, v in arrays.items()}
-            if per_process and i == len(batch) - 1:
+            if per_process and "seconds_per_step" in per_process and i == len(batch) - 1:
                 mine = per_process["seconds_per_step"]
                 self.sent_seconds.append(mine)
                 values["seconds_per_step"] = np.array([mine] + ([self.peer] if self.peer is not None else []))
