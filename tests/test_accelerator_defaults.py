@@ -41,6 +41,8 @@ def test_compiling_for_resolves_auto_choices_as_on_that_platform():
 # -- checkpoints by time -------------------------------------------------------------------------
 
 import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
 import json  # noqa: E402
 
 from eqx_diloco.lm._checkpoint_schedule import ACCELERATOR_MINUTES, checkpoint_minutes  # noqa: E402
@@ -96,3 +98,120 @@ def test_the_banner_gives_the_size_of_a_checkpoint(make_config):
 
     assert line.startswith(f"  checkpoint   {format_bytes(state_bytes)} each (the whole train state), every 5 steps")
     assert json.dumps(line)  # one line
+
+
+# -- islands spread over the devices given -------------------------------------------------------
+
+from eqx_diloco.lm import _spread  # noqa: E402
+from eqx_diloco.lm._spread import spread_over_devices  # noqa: E402
+from eqx_diloco.lm.config import DiLoCoConfig, MeshConfig, TrainConfig  # noqa: E402
+
+GiB = 2**30
+
+
+def test_a_gpu_node_spreads_its_islands_data_parallel_where_a_replica_fits():
+    spread = spread_over_devices(Config(), devices=8, platform="cuda", num_processes=1, device_memory=80 * GiB)
+    assert (spread.config.mesh.data, spread.config.mesh.fsdp, spread.per_island, spread.idle) == (4, 1, 4, 0)
+    assert spread.lines() == ["  islands      each on 4 devices (--mesh.data 4, data parallel: a replica fits one "
+                              "device)"]
+    # One island per node of 8 GPUs (examples/slurm/diloco.sbatch: one process per node, no mesh flags).
+    spread = spread_over_devices(Config(), devices=8, platform="cuda", num_processes=2, device_memory=80 * GiB)
+    assert (spread.config.mesh.data, spread.idle) == (8, 0)
+
+
+def test_a_replica_too_large_for_one_device_spreads_over_fsdp():
+    big = Config(model=TransformerConfig(num_layers=24, dim=2048, num_heads=16, vocab_size=32768))
+    spread = spread_over_devices(big, devices=8, platform="tpu", num_processes=2, device_memory=16 * GiB)
+    assert (spread.config.mesh.data, spread.config.mesh.fsdp, spread.axis) == (1, 8, "fsdp")
+    assert "fsdp: a replica's train state does not fit one device" in spread.lines()[0]
+
+
+def test_devices_the_batch_cannot_use_are_said_to_be_idle():
+    config = Config(train=TrainConfig(batch_size=6))
+    spread = spread_over_devices(config, devices=8, platform="tpu", num_processes=1, device_memory=16 * GiB)
+    assert (spread.config.mesh.data, spread.idle) == (3, 2)
+    assert spread.lines()[1] == ("  idle         2 of this process's 8 devices train nothing (see --mesh.data, "
+                                 "--mesh.fsdp and --train.batch-size, which the devices of an island divide)")
+
+
+def test_mesh_flags_and_the_cpu_are_left_as_they_are():
+    given = Config(mesh=MeshConfig(data=2))
+    spread = spread_over_devices(given, devices=8, platform="cuda", num_processes=1, device_memory=80 * GiB)
+    assert spread.config is given and spread.axis is None and spread.idle == 4
+    assert len(spread.lines()) == 1 and "4 of this process's 8 devices train nothing" in spread.lines()[0]
+    spread = spread_over_devices(Config(), devices=12, platform="cpu", num_processes=1, device_memory=None)
+    assert spread.config == Config() and spread.lines() == []
+    # replicas packed onto too few devices: nothing to spread, nothing idle
+    spread = spread_over_devices(Config(diloco=DiLoCoConfig(num_replicas=4)), devices=2, platform="cuda",
+                                 num_processes=1, device_memory=80 * GiB)
+    assert spread.config.mesh == MeshConfig() and spread.lines() == []
+
+
+def as_accelerator(monkeypatch, device_memory=None, devices=12):
+    """The trainer sees this machine's simulated CPU devices as `devices` TPU chips of `device_memory` bytes."""
+    monkeypatch.setattr(_spread, "device_facts", lambda: dict(devices=devices, platform="tpu", num_processes=1,
+                                                              device_memory=device_memory))
+
+
+def test_the_trainer_spreads_islands_on_simulated_devices_and_trains_the_same(make_config, monkeypatch):
+    config = make_config(train=dict(steps=3), checkpoint=dict(every=0))
+    plain = Trainer(config, verbose=False)
+    assert plain.mesh.devices.shape == (2, 1, 1, 1) and plain.banner_lines() == []
+    plain_summary = plain.run()
+    as_accelerator(monkeypatch)
+    spread = Trainer(dataclasses.replace(config, run_dir=config.run_dir.parent / "spread"), verbose=False)
+    assert spread.mesh.devices.shape == (2, 4, 1, 1)  # 6 devices per island, 4 of them divide the batch of 4
+    assert spread.config.mesh.data == 4
+    assert spread.banner_lines() == [
+        "  islands      each on 4 devices (--mesh.data 4, data parallel: a replica fits one device)",
+        "  idle         4 of this process's 12 devices train nothing (see --mesh.data, --mesh.fsdp and "
+        "--train.batch-size, which the devices of an island divide)"]
+    summary = spread.run()
+    np.testing.assert_allclose(summary["eval_loss"], plain_summary["eval_loss"], rtol=1e-5)
+
+
+# -- fit before the first step --------------------------------------------------------------------
+
+from eqx_diloco.lm._fit import fit_on_device, step_memory  # noqa: E402
+
+
+def _activation_heavy(make_config):
+    return make_config(model=dict(num_layers=4, dim=64, num_heads=2), train=dict(batch_size=8, seq_len=128))
+
+
+def test_the_step_runs_as_given_where_it_fits_else_with_remat_block_over_a_rolled_stack(make_config):
+    config = _activation_heavy(make_config)
+    need = step_memory(config)
+    block = dataclasses.replace(config, model=dataclasses.replace(config.model, remat="block", scan_unroll=1))
+    need_block = step_memory(block)
+    assert need_block.total < need.total / 2 and need.state == need_block.state
+    fit = fit_on_device(config, need.total, "tpu")
+    assert fit.config is config and fit.line.endswith(": fits with --model.remat none")
+    fit = fit_on_device(config, need_block.total, "tpu")
+    assert fit.config == block
+    assert fit.line.startswith("  memory       --model.remat block --model.scan-unroll 1: the step needs")
+    assert fit_on_device(config, None, "cpu").line is None  # CPU: nothing checked
+
+
+def test_a_step_that_fits_nowhere_says_what_would(make_config):
+    config = _activation_heavy(make_config)
+    need = step_memory(dataclasses.replace(config, model=dataclasses.replace(config.model, remat="block",
+                                                                               scan_unroll=1)))
+    memory = need.state + need.temporaries // 3
+    with pytest.raises(ConfigError) as error:
+        fit_on_device(config, memory, "tpu")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("the inner step needs ")
+    fsdp = -(-need.total // memory)
+    assert f"--mesh.fsdp {fsdp} (devices per island; now 1)" in message
+    assert "--train.batch-size 2 (now 8)" in message  # a third of the temporaries: about a third of the batch
+
+
+def test_the_trainer_checks_the_fit_with_a_device_memory_it_is_given(make_config, monkeypatch):
+    as_accelerator(monkeypatch, device_memory=10_000, devices=2)
+    with pytest.raises(ConfigError, match=r"^the inner step needs .* per tpu device with --model.remat block --model.scan-unroll 1 "):
+        Trainer(make_config(), verbose=False)
+    as_accelerator(monkeypatch, device_memory=16 * GiB, devices=2)
+    trainer = Trainer(make_config(), verbose=False)
+    assert trainer.banner_lines()[0].startswith("  memory       the step needs ")
+    assert trainer.banner_lines()[0].endswith("of 17.18 GB per tpu device: fits with --model.remat none")

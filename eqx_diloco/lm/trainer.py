@@ -25,6 +25,8 @@ from .._replica_values import ReplicaGather, replicated_value
 from .._state import TrainState
 from .._tree import row_finite
 from ._banner import finished_message, format_bytes, format_summary
+from . import _spread
+from ._fit import fit_on_device
 from ._checkpoint_schedule import checkpoint_minutes, checkpoint_nbytes, schedule_phrase
 from ._compile_cpus import narrow_to_share, widen_for_compiles
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
@@ -58,8 +60,14 @@ class Trainer:
     verbose: bool = True
 
     def __post_init__(self):
-        config = self.config
-        validate(config)
+        validate(self.config)
+        # On an accelerator: islands over the devices given (no --mesh.* flag), then a layout whose step fits.
+        facts = _spread.device_facts()
+        self.spread = _spread.spread_over_devices(self.config, **facts)
+        self.fit = fit_on_device(self.spread.config, facts["device_memory"], facts["platform"])
+        if self.fit.config is not self.config:
+            validate(self.fit.config)  # the batch split over the island's devices, among others
+        self.config = config = self.fit.config
         self.is_main = jax.process_index() == 0
         d, t = config.diloco, config.train
         self.diloco = config.algorithm == "diloco"
@@ -305,12 +313,15 @@ class Trainer:
     # -- the loop's parts, in the order it runs them ------------------------------------------
 
     def banner_lines(self) -> list[str]:
-        """What the built trainer adds to the set-up lines: what a checkpoint weighs and how often one is saved."""
-        if self.checkpointer.every <= 0:
-            return []
-        size = format_bytes(checkpoint_nbytes(self.abstract_state))
-        return [f"  checkpoint   {size} each (the whole train state), "
-                f"{schedule_phrase(self.config, self.checkpoint_minutes)}"]
+        """What the built trainer adds to the set-up lines: the devices each island uses (and any left idle),
+        whether the step fits a device's memory and with what remat, what a checkpoint weighs and how often
+        one is saved."""
+        lines = self.spread.lines() + ([self.fit.line] if self.fit.line else [])
+        if self.checkpointer.every > 0:
+            size = format_bytes(checkpoint_nbytes(self.abstract_state))
+            lines.append(f"  checkpoint   {size} each (the whole train state), "
+                         f"{schedule_phrase(self.config, self.checkpoint_minutes)}")
+        return lines
 
     def _announce(self, start: int) -> None:
         """Say where the run starts, if not from scratch (after the trainer's own set-up lines)."""
