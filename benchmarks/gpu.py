@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -164,11 +165,12 @@ def measure_variant(shape: dict, variant: str, opts: dict) -> dict[str, Any]:
 
 
 def _child(args) -> None:
-    import jax  # noqa: F401  (JAX starts here, in the child, with its own device memory)
+    import jax  # JAX starts here, in the child, with its own device memory
 
     shape, opts = json.loads(args.child_shape), json.loads(args.child_opts)
-    if args.child == "matmul":
-        out = measure_matmul(opts["matmul"])
+    if args.child == "matmul":  # also what the parent must not ask JAX itself (see `main`)
+        out = dict(measure_matmul(opts["matmul"]), machine=common.machine_info(),
+                   device_kind=jax.devices()[0].device_kind)
     else:
         out = measure_variant(shape, args.child, opts)
     print("RESULT " + json.dumps(common.jsonable(out)), flush=True)
@@ -277,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_mode_flags(parser)
-    parser.add_argument("--shapes", default="A,B", help="comma-separated: A, B (smoke: a tiny one)")
+    parser.add_argument("--shapes", default="A,B", help="comma-separated: A, B, B4 (smoke: a tiny one); NAME:v1+v2 runs "
+                        "only those variants of NAME")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"])
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                         help="the card's bfloat16 peak for the spec MFU (default: SPECS by JAX's device kind)")
     parser.add_argument("--torch-python", default=os.environ.get("EQX_DILOCO_TORCH_PYTHON", sys.executable))
     parser.add_argument("--timeout-s", type=float, default=1200, help="per variant")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="the whole run's seconds: variants that would start later are skipped (the table says so)")
     parser.add_argument("--out-dir", type=pathlib.Path,
                         default=pathlib.Path(os.environ["EQX_DILOCO_BENCH_OUT"]) if os.environ.get("EQX_DILOCO_BENCH_OUT")
                         else None)
@@ -303,49 +308,62 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         _child(args)
         return None
     mode = args.mode or "quick"
-    import jax
-
-    backend = jax.default_backend()
     smoke = mode == "smoke"
-    device_kind = jax.devices()[0].device_kind
-    if backend == "cpu":
-        print(f"no accelerator here (JAX backend {backend}): "
-              + ("the smoke shape checks the harness only; its numbers are not GPU or TPU figures" if smoke
-                 else "the figures below are not GPU or TPU figures"), flush=True)
-    spec = spec_peak(device_kind)
-    spec_flops = args.spec_tflops * 1e12 if args.spec_tflops else (spec[0] * 1e12 if spec else None)
+    # This process never starts JAX's backend: a TPU chip opens in one process at a time, so every
+    # figure, the device's own included, comes from a child.
     cache_dir = tempfile.mkdtemp(prefix="eqx_diloco_gpu_bench_cache_")
-    opts = dict(dtype=args.dtype, attention=args.attention, backend=backend, cache_dir=cache_dir,
+    opts = dict(dtype=args.dtype, attention=args.attention, cache_dir=cache_dir,
                 steps=1 if smoke else args.steps, rounds=2 if smoke else args.rounds, warmup=2,
                 round_steps=4 if smoke else args.round_steps, matmul=256 if smoke else args.matmul)
-    shapes = ["smoke"] if smoke else [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in SHAPES] + [v for v in args.variants.split(",") if v not in VARIANTS]
+    variants = args.variants.split(",")
+    # "NAME" runs --variants; "NAME:v1+v2" only those
+    plan = [("smoke", variants)] if smoke else [
+        (item.split(":")[0], item.split(":")[1].split("+") if ":" in item else variants)
+        for item in (s.strip() for s in args.shapes.split(",")) if item]
+    shapes = [name for name, _ in plan]
+    unknown = [s for s in shapes if s not in SHAPES] + [v for _, vs in plan for v in vs if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown shape or variant: {', '.join(unknown)} (shapes {', '.join(SHAPES)}; variants "
                      f"{', '.join(VARIANTS)})")
     from benchmarks._throughput.settings import model_flops
     from models import TransformerConfig
 
+    started = time.perf_counter()
     peak = _run_child("matmul", {}, opts, args.timeout_s)
+    if "error" in peak:
+        raise SystemExit(f"the device probe failed: {peak['error']}")
+    machine, device_kind = peak.pop("machine"), peak.pop("device_kind")
+    backend = opts["backend"] = machine["backend"]
+    if backend == "cpu":
+        print(f"no accelerator here (JAX backend {backend}): "
+              + ("the smoke shape checks the harness only; its numbers are not GPU or TPU figures" if smoke
+                 else "the figures below are not GPU or TPU figures"), flush=True)
+    spec = spec_peak(device_kind)
+    spec_flops = args.spec_tflops * 1e12 if args.spec_tflops else (spec[0] * 1e12 if spec else None)
     print(f"bfloat16 matmul peak: {peak.get('flops_per_s', 0) / 1e12:.1f} TFLOP/s (n = {opts['matmul']})", flush=True)
     print(f"{device_kind} specification: " + (f"{spec_flops / 1e12:.0f} TFLOP/s bfloat16" if spec_flops else
           "not in SPECS (--spec-tflops)"), flush=True)
-    results: dict[str, Any] = {"machine": common.machine_info(), "revision": common.revision(), "mode": mode,
+    results: dict[str, Any] = {"machine": machine, "revision": common.revision(), "mode": mode,
                                "device_kind": device_kind, "options": opts, "bf16_peak": peak,
                                "spec_flops_per_s": spec_flops, "spec_memory_gib": spec[1] if spec else None,
                                "shapes": {}}
-    for name in shapes:
+    out_dir = args.out_dir or common.default_out_dir("gpu", mode)
+    for name, shape_variants in plan:
         shape = SHAPES[name]
         cfg = TransformerConfig(num_layers=shape["layers"], dim=shape["dim"], num_heads=shape["heads"],
                                 vocab_size=shape["vocab"])
         flops = model_flops(cfg, shape["seq"])["flops_per_token"]
         rows = {}
-        for variant in args.variants.split(","):
+        results["shapes"][name] = {"shape": shape, "flops_per_token": flops, "rows": rows}
+        for variant in shape_variants:
             t0 = time.perf_counter()
+            left = args.budget_s - (t0 - started) if args.budget_s else math.inf
             if variant == "torch":
                 row = _run_torch(shape, opts, args.torch_python, args.torch_ref, args.timeout_s)
+            elif left < 30:
+                row = {"variant": variant, "error": f"skipped: --budget-s {args.budget_s:g} spent"}
             else:
-                row = _run_child(variant, shape, opts, args.timeout_s)
+                row = _run_child(variant, shape, opts, min(args.timeout_s, left))
             if "tokens_per_s" in row and peak.get("flops_per_s"):
                 row["mfu"] = row["tokens_per_s"] * flops / peak["flops_per_s"]
             if "tokens_per_s" in row and spec_flops:
@@ -353,17 +371,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             rows[variant] = row
             said = row.get("error") or f"{row['tokens_per_s']:,.0f} tokens/s"
             print(f"shape {name} {variant:9s} {said}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-        results["shapes"][name] = {"shape": shape, "flops_per_token": flops, "rows": rows}
-    out_dir = args.out_dir or common.default_out_dir("gpu", mode)
-    common.write_json(out_dir / "gpu.json", results)
+            _write(out_dir, results, peak, spec_flops)  # after every row: a run cut short keeps what it measured
     shutil.rmtree(cache_dir, ignore_errors=True)
+    print(f"wrote {out_dir / 'gpu.json'} and gpu.md", flush=True)
+    return results
+
+
+def _write(out_dir: pathlib.Path, results: dict[str, Any], peak: dict[str, Any], spec_flops: float | None) -> None:
+    common.write_json(out_dir / "gpu.json", results)
+    device_kind, opts = results["device_kind"], results["options"]
     spec_text = f"{spec_flops / 1e12:.0f} TFLOP/s" if spec_flops else "unknown"
     title = (f"# The CLI's step on {device_kind} ({results['machine']['backend']}, revision {results['revision']})\n\n"
              f"bfloat16 peaks: measured {peak.get('flops_per_s', 0) / 1e12:.1f} TFLOP/s (an n = {opts['matmul']} "
              f"matmul), specification {spec_text}.")
     common.write_text(out_dir / "gpu.md", f"{title}\n\n{_table(results)}\n")
-    print(f"wrote {out_dir / 'gpu.json'} and gpu.md", flush=True)
-    return results
 
 
 if __name__ == "__main__":
