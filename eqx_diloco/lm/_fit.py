@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from .config import Config
 
 
+LEAN_FLAGS = "--model.remat block --model.scan-unroll 1"  # what `least_memory` sets
+
+
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
     """One compiled inner step's memory per device: `state` (its arguments: the train state and the
@@ -79,7 +82,7 @@ def fit_on_device(config: "Config", device_memory: int | None, platform: str,
     if lean is not config:
         need_lean = measure(lean)
         if need_lean.total <= device_memory:
-            return Fit(lean, f"  memory       {lean_flags(lean)}: the step needs {format_bytes(need_lean.total)} {of} "
+            return Fit(lean, f"  memory       {LEAN_FLAGS}: the step needs {format_bytes(need_lean.total)} {of} "
                              f"(as given: {format_bytes(need.total)})")
         need = need_lean
     raise ConfigError(does_not_fit(config, need, device_memory, platform))
@@ -93,10 +96,6 @@ def least_memory(config: "Config") -> "Config":
     if m.remat == "block" and m.layers_per_iteration() == 1:
         return config
     return dataclasses.replace(config, model=dataclasses.replace(m, remat="block", scan_unroll=1))
-
-
-def lean_flags(config: "Config") -> str:
-    return "--model.remat block --model.scan-unroll 1"
 
 
 def does_not_fit(config: "Config", need: StepMemory, device_memory: int, platform: str) -> str:
@@ -116,6 +115,6 @@ def does_not_fit(config: "Config", need: StepMemory, device_memory: int, platfor
         batch = math.floor(t.batch_size * room / need.temporaries) // split * split
         if batch >= split:
             options.append(f"--train.batch-size {batch} (now {t.batch_size})")
-    return (f"the inner step needs {format_bytes(need.total)} per {platform} device with {lean_flags(config)} "
+    return (f"the inner step needs {format_bytes(need.total)} per {platform} device with {LEAN_FLAGS} "
             f"(train state and batch {format_bytes(need.state)}, temporaries {format_bytes(need.temporaries)}), "
             f"{format_bytes(device_memory)} available; would fit about: {', or '.join(options)}")
