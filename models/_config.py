@@ -84,7 +84,7 @@ class TransformerConfig:
     attention: AttentionImpl = "auto"
     """attention kernel, `jax.nn.dot_product_attention(..., is_causal=True)`: `xla` (any backend), `cudnn` (cuDNN flash attention: NVIDIA GPUs with a bfloat16 compute dtype and a head dim <= 128 and a multiple of 8) or `auto` (cudnn where it can run, xla elsewhere)."""
     scan_unroll: ScanUnroll = "auto"
-    """layers applied per iteration of the `jax.lax.scan` over the stacked blocks: an int >= 1, 0 = all layers (fully unrolled), or `auto` = all layers on GPU and TPU, and on CPU all layers for stacks of up to 16 layers, 1 above (see `layers_per_iteration`). The stack stays stored stacked either way. Unrolled, XLA schedules and fuses across layers and drops the loop's per-layer slicing and copies: faster steps on CPU and GPU; a rolled scan (1) keeps compile time flat in depth."""
+    """layers applied per iteration of the `jax.lax.scan` over the stacked blocks: an int >= 1, 0 = all layers (fully unrolled), or `auto` = on GPU and TPU all layers (1 with `remat`, which saves memory over a rolled stack only), on CPU all layers for stacks of up to 16 layers, 1 above (see `layers_per_iteration`). The stack stays stored stacked either way. Unrolled, XLA schedules and fuses across layers and drops the loop's per-layer slicing and copies: faster steps on CPU and GPU; a rolled scan (1) keeps compile time flat in depth."""
     remat: Remat = "none"
     """rematerialisation of each block in the backward pass (`jax.checkpoint` around the scanned block): `none` saves every activation (fastest; fine while activations fit), `block` saves only each block's input and recomputes the rest (least memory, about one more forward pass of compute), `dots` saves the matmul outputs and recomputes the elementwise work in between."""
 
@@ -105,9 +105,12 @@ class TransformerConfig:
         `num_layers`; `num_layers` is fully unrolled). `platform`: the one `auto` resolves for
         (default `target_platform()`)."""
         unroll = self.scan_unroll
-        if unroll == "auto":
-            on_cpu = (platform or target_platform()) == "cpu"
-            unroll = 0 if not on_cpu or self.num_layers <= AUTO_UNROLL_MAX_LAYERS else 1
+        if unroll == "auto" and (platform or target_platform()) == "cpu":
+            unroll = 0 if self.num_layers <= AUTO_UNROLL_MAX_LAYERS else 1
+        elif unroll == "auto":
+            # Rematerialisation saves memory over a rolled stack only: unrolled, XLA merged the recomputation
+            # back into the forward pass, and a step with `remat=block` kept every activation (CPU compile).
+            unroll = 0 if self.remat == "none" else 1
         return self.num_layers if unroll == 0 else min(unroll, self.num_layers)
 
     def attention_impl(self) -> Literal["xla", "cudnn"]:

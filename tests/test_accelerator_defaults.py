@@ -16,6 +16,14 @@ def test_auto_unroll_is_every_layer_on_gpu_and_tpu_and_the_depth_rule_on_cpu(lay
     assert config.layers_per_iteration() == config.layers_per_iteration("cpu")  # this machine
 
 
+def test_auto_keeps_the_stack_rolled_for_remat_on_gpu_and_tpu():
+    """remat saves memory over a rolled stack only (`_fit.least_memory`); the CPU rule is unchanged."""
+    for remat in ("block", "dots"):
+        config = TransformerConfig(num_layers=12, remat=remat)
+        assert config.layers_per_iteration("cuda") == config.layers_per_iteration("tpu") == 1
+        assert config.layers_per_iteration("cpu") == 12
+
+
 def test_explicit_scan_unroll_is_kept_on_every_platform():
     for platform in ("cpu", "cuda", "tpu"):
         assert TransformerConfig(num_layers=24, scan_unroll=1).layers_per_iteration(platform) == 1
