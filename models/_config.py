@@ -93,7 +93,7 @@ class TransformerConfig:
         return self.dim // self.num_heads
 
     def compute_dtype(self):
-        """The resolved compute dtype (a `jnp.dtype`): `auto` asks JAX for its default backend."""
+        """The resolved compute dtype (a `jnp.dtype`): `auto` resolves for `target_platform()`."""
         import jax.numpy as jnp
 
         if self.dtype == "auto":

@@ -46,3 +46,12 @@ def test_lm_loss_and_gradients_equal_the_log_softmax_loss_within_1e_6(kind):
     np.testing.assert_allclose(aux["ce"], ref_ce, rtol=0, atol=1e-6)
     for new, old in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(new, old, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "int32"])
+def test_token_ids_of_any_integer_type_pick_their_logit(dtype):
+    """Token files hold uint16 or uint32 ids."""
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 40))
+    targets = jax.random.randint(jax.random.key(1), (2, 5), 0, 40).astype(dtype)
+    np.testing.assert_allclose(token_cross_entropy(logits, targets),
+                               log_softmax_cross_entropy(logits, targets.astype(jnp.int32)), rtol=0, atol=1e-6)

@@ -24,14 +24,14 @@ from .._mesh import BATCH_SPEC
 from .._replica_values import ReplicaGather, replicated_value
 from .._state import TrainState
 from .._tree import row_finite
-from ._banner import finished_message, format_bytes, format_summary
 from . import _spread
-from ._fit import fit_on_device
+from ._banner import finished_message, format_bytes, format_summary
 from ._checkpoint_schedule import checkpoint_minutes, checkpoint_nbytes, schedule_phrase
 from ._compile_cpus import narrow_to_share, widen_for_compiles
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
 from ._env_hooks import fail_for_test, island_speed
 from ._finite import FiniteChecks, finite_check
+from ._fit import fit_on_device
 from ._hooks import Hook
 from ._phases import mark
 from ._reporting import Reporter
