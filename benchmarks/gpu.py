@@ -36,8 +36,8 @@ JAX's device kind; `--spec-tflops` for another card). Peak memory is the device 
 (and the repository).
 
     python -m benchmarks.gpu --shapes A,B --out-dir benchmarks/results
-    python -m benchmarks.gpu --shapes A,B4 --variants cli,unrolled,rolled,plain --steps 5 --rounds 2 \
-        --out-dir "$OUT"    # a TPU v5e chip within 8 minutes
+    python -m benchmarks.gpu --shapes A,B:cli,B4 --variants cli,unrolled,rolled,plain,torch --steps 5 \
+        --rounds 2 --budget-s 420 --timeout-s 200 --out-dir "$OUT"    # one TPU v5e chip, within 8 minutes
     python -m benchmarks.gpu --smoke   # a tiny shape on CPU: checks the harness, no claims
 
 Writes `gpu.json` and `gpu.md` in `--out-dir` (default: $EQX_DILOCO_BENCH_OUT, else
