@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     args.folder.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in imported_packages():
-        spec = importlib.util.find_spec(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        except ValueError:  # a module made at run time (cython_runtime): nothing on disk to copy
+            continue
         if name in have or spec is None or spec.origin in (None, "built-in", "frozen"):
             continue
         source = pathlib.Path(spec.origin)

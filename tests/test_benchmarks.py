@@ -389,3 +389,13 @@ def test_sync_step_smoke(tmp_path):
     assert "| each process on a core of its own (split) | 1 |" in (tmp_path / "sync_step.md").read_text()
     with pytest.raises(SystemExit):
         sync_step.main(["--steps", "4", "--sync-period", "4"])
+
+
+@pytest.mark.slow  # imports the trainer in a subprocess
+def test_offline_deps_copies_what_the_gpu_benchmark_imports_with_metadata(tmp_path):
+    from benchmarks import offline_deps
+
+    copied = offline_deps.main([str(tmp_path / "deps")])
+    assert {"equinox", "optax", "jaxtyping"} <= set(copied) and not {"jax", "numpy", "eqx_diloco"} & set(copied)
+    assert (tmp_path / "deps" / "equinox" / "__init__.py").is_file()
+    assert list((tmp_path / "deps").glob("jaxtyping-*.dist-info"))  # jaxtyping reads its own version at import
