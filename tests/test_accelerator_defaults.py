@@ -223,3 +223,23 @@ def test_the_trainer_checks_the_fit_with_a_device_memory_it_is_given(make_config
     trainer = Trainer(make_config(), verbose=False)
     assert trainer.banner_lines()[0].startswith("  memory       the step needs ")
     assert trainer.banner_lines()[0].endswith("of 17.18 GB per tpu device: fits with --model.remat none")
+
+
+@pytest.mark.slow  # two processes through the launcher
+def test_processes_checkpoint_by_time_on_the_same_steps(tmp_path):
+    """Every process saves at the steps the agreed clock picks (a save on one process alone would hang the
+    collective save): the run finishes, with saves between the step schedule's."""
+    import subprocess
+    import sys
+
+    from test_cli import TINY
+
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "eqx_diloco.launch", "--num-processes", "2", "--", *TINY, "--run-dir",
+               str(run_dir), "--diloco.num-replicas", "2", "--train.steps", "8", "--dist.metrics-lag", "2",
+               "--checkpoint.every", "100", "--checkpoint.every-minutes", "1e-9", "--checkpoint.keep", "20"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] == 8 and saved[0] < 8, saved  # the step schedule (100) alone saves the end's only
+    assert "every 1e-09 minutes (--checkpoint.every-minutes)" in done.stdout
