@@ -1,5 +1,7 @@
 """The model's shape, shared by the dense and mixture-of-experts blocks (no model code here)."""
 
+import contextlib
+import contextvars
 import dataclasses
 from pathlib import Path
 from typing import Literal
@@ -10,11 +12,45 @@ Remat = Literal["none", "block", "dots"]
 MlpKind = Literal["gelu", "swiglu"]
 ScanUnroll = int | Literal["auto"]
 
-# `scan_unroll="auto"` unrolls stacks up to this depth. On CPU an unrolled stack stepped 1.28-1.56x
+Platform = Literal["cpu", "cuda", "rocm", "tpu"]
+
+# On CPU, `scan_unroll="auto"` unrolls stacks up to this depth. There an unrolled stack stepped 1.28-1.56x
 # faster than the rolled scan at 2 to 24 layers; it compiled within 1.04x of the rolled scan's time
 # up to 6 layers, 1.15-1.5x at 12 and 2.0-2.2x at 24 (benchmarks/scan_unroll.py). Deeper stacks keep
-# the rolled scan, whose compile time is flat in depth.
+# the rolled scan, whose compile time is flat in depth. On GPU and TPU every layer is unrolled: on an
+# H200, 24 x 2048 rolled stepped at 0.86x a torch.compile loop and held 53 GB; unrolled, 1.04x and
+# 36.7 GB, for 3-4 s more compile.
 AUTO_UNROLL_MAX_LAYERS = 16
+
+# The platform a program is being lowered for, where it is not this machine's (see `compiling_for`).
+_COMPILING_FOR: contextvars.ContextVar[Platform | None] = contextvars.ContextVar("compiling_for", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: Platform):
+    """Resolve the `auto` choices (`dtype`, `attention`, `scan_unroll`) as on `platform` inside this block.
+
+    For lowering a program for another backend than this machine's
+    (`jax.jit(f).trace(...).lower(lowering_platforms=(...))`): the model then holds what it would
+    hold on that backend. `platform`: `cpu`, `cuda` (an NVIDIA GPU), `rocm` (an AMD GPU) or `tpu`."""
+    token = _COMPILING_FOR.set(platform)
+    try:
+        yield
+    finally:
+        _COMPILING_FOR.reset(token)
+
+
+def target_platform() -> Platform:
+    """The platform the `auto` choices resolve for: the one `compiling_for` names, else JAX's first device's."""
+    platform = _COMPILING_FOR.get()
+    if platform is not None:
+        return platform
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform in ("gpu", "cuda", "rocm"):
+        return "cuda" if cudnn_backend(device) else "rocm"
+    return "tpu" if device.platform == "tpu" else "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +96,7 @@ class TransformerConfig:
     attention: AttentionImpl = "auto"
     """attention kernel, `jax.nn.dot_product_attention(..., is_causal=True)`: `xla` (any backend), `cudnn` (cuDNN flash attention: NVIDIA GPUs with a bfloat16 compute dtype and a head dim <= 128 and a multiple of 8) or `auto` (cudnn where it can run, xla elsewhere)."""
     scan_unroll: ScanUnroll = "auto"
-    """layers applied per iteration of the `jax.lax.scan` over the stacked blocks: an int >= 1, 0 = all layers (fully unrolled), or `auto` = all layers for stacks of up to 16 layers, 1 above (see `layers_per_iteration`). The stack stays stored stacked either way. Unrolled, XLA schedules and fuses across layers and drops the loop's per-layer slicing and copies: faster steps on CPU and GPU; a rolled scan (1) keeps compile time flat in depth."""
+    """layers applied per iteration of the `jax.lax.scan` over the stacked blocks: an int >= 1, 0 = all layers (fully unrolled), or `auto` = on GPU and TPU all layers (1 with `remat`, which saves memory over a rolled stack only), on CPU all layers for stacks of up to 16 layers, 1 above (see `layers_per_iteration`). The stack stays stored stacked either way. Unrolled, XLA schedules and fuses across layers and drops the loop's per-layer slicing and copies: faster steps on CPU and GPU; a rolled scan (1) keeps compile time flat in depth."""
     init_from: Path | None = None
     """a local Hugging Face model folder (Llama, Mistral or Qwen2 layout, safetensors) whose weights the run starts from: every replica and the global model. Its config.json gives the model's shape. Read by the trainer (`eqx_diloco.lm.hf`); `Transformer` itself always initialises randomly."""
     remat: Remat = "none"
@@ -81,28 +117,30 @@ class TransformerConfig:
         return self.mlp_ratio * self.dim if self.ffn_dim is None else self.ffn_dim
 
     def compute_dtype(self):
-        """The resolved compute dtype (a `jnp.dtype`): `auto` asks JAX for its default backend."""
-        import jax
+        """The resolved compute dtype (a `jnp.dtype`): `auto` resolves for `target_platform()`."""
         import jax.numpy as jnp
 
         if self.dtype == "auto":
-            return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+            return jnp.dtype(jnp.float32 if target_platform() == "cpu" else jnp.bfloat16)
         return jnp.dtype(self.dtype)
 
-    def layers_per_iteration(self) -> int:
+    def layers_per_iteration(self, platform: Platform | None = None) -> int:
         """The resolved `scan_unroll`: how many layers one iteration of the scan applies (1 to
-        `num_layers`; `num_layers` is fully unrolled)."""
+        `num_layers`; `num_layers` is fully unrolled). `platform`: the one `auto` resolves for
+        (default `target_platform()`)."""
         unroll = self.scan_unroll
-        if unroll == "auto":
+        if unroll == "auto" and (platform or target_platform()) == "cpu":
             unroll = 0 if self.num_layers <= AUTO_UNROLL_MAX_LAYERS else 1
+        elif unroll == "auto":
+            # Rematerialisation saves memory over a rolled stack only: unrolled, XLA merged the recomputation
+            # back into the forward pass, and a step with `remat=block` kept every activation (CPU compile).
+            unroll = 0 if self.remat == "none" else 1
         return self.num_layers if unroll == 0 else min(unroll, self.num_layers)
 
     def attention_impl(self) -> Literal["xla", "cudnn"]:
         """The resolved attention kernel; `cudnn` asked for where it cannot run raises `ValueError`
         (the CLI checks the same rule first, see `attention_rule`)."""
-        import jax
-
-        problem = attention_rule(self, cudnn_backend(jax.devices()[0]), str(self.compute_dtype()))
+        problem = attention_rule(self, target_platform() == "cuda", str(self.compute_dtype()))
         if self.attention == "auto":
             return "xla" if problem else "cudnn"
         if self.attention == "cudnn" and problem:

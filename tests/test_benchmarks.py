@@ -203,17 +203,28 @@ def test_overlap_pairs_each_method_with_its_neighbouring_compute_only_runs():
     assert out["bytes_per_sync"] == 5
 
 @pytest.mark.slow  # starts one process per variant
-def test_gpu_benchmark_smoke_runs_every_variant_and_says_when_torch_is_missing(tmp_path):
+def test_gpu_benchmark_smoke_runs_every_variant_and_says_when_torch_is_missing(tmp_path, monkeypatch):
     from benchmarks import gpu
 
+    monkeypatch.delenv(gpu.TORCH_REF_ENV, raising=False)
     results = gpu.main(["--smoke", "--out-dir", str(tmp_path), "--torch-python", str(tmp_path / "no-python")])
     rows = results["shapes"]["smoke"]["rows"]
-    for variant in ("plain", "inner-r1", "inner-r2", "round"):
+    for variant in ("cli", "unrolled", "rolled", "plain", "round"):
         assert rows[variant]["tokens_per_s"] > 0 and 0 < rows[variant]["mfu"], (variant, rows[variant])
-    assert rows["inner-r2"]["tokens_per_step"] == 2 * rows["inner-r1"]["tokens_per_step"]  # two replicas, one device
-    assert rows["torch"]["error"].startswith(("torch is not installed", "no PyTorch reference at"))
+    assert rows["cli"]["tokens_per_step"] == 2 * rows["unrolled"]["tokens_per_step"]  # the CLI's R = 2, one device
+    assert rows["unrolled"]["layers_per_iteration"] == 2 and rows["rolled"]["layers_per_iteration"] == 1
+    assert rows["torch"]["error"] == "missing: no PyTorch reference given (--torch-ref or $EQX_DILOCO_TORCH_REF)"
     table = (tmp_path / "gpu.md").read_text()
-    assert "| inner-r2 |" in table and "| torch | " in table
+    assert "| cli |" in table and "| rolled |" in table and "| torch | missing" in table
+    assert "No PyTorch reference in this run" in table and "MFU (spec)" in table
+
+
+def test_gpu_benchmark_knows_the_cards_it_is_run_on():
+    from benchmarks import gpu
+
+    assert gpu.spec_peak("TPU v5 lite") == (197, 16)
+    assert gpu.spec_peak("NVIDIA H200") == (989, 141)
+    assert gpu.spec_peak("cpu") is None
 
 
 @pytest.mark.slow  # trains four microscopic runs
@@ -378,3 +389,13 @@ def test_sync_step_smoke(tmp_path):
     assert "| each process on a core of its own (split) | 1 |" in (tmp_path / "sync_step.md").read_text()
     with pytest.raises(SystemExit):
         sync_step.main(["--steps", "4", "--sync-period", "4"])
+
+
+@pytest.mark.slow  # imports the trainer in a subprocess
+def test_offline_deps_copies_what_the_gpu_benchmark_imports_with_metadata(tmp_path):
+    from benchmarks import offline_deps
+
+    copied = offline_deps.main([str(tmp_path / "deps")])
+    assert {"equinox", "optax", "jaxtyping"} <= set(copied) and not {"jax", "numpy", "eqx_diloco"} & set(copied)
+    assert (tmp_path / "deps" / "equinox" / "__init__.py").is_file()
+    assert list((tmp_path / "deps").glob("jaxtyping-*.dist-info"))  # jaxtyping reads its own version at import

@@ -33,7 +33,7 @@ class RecordingGather:
         for i, arrays in enumerate(batch):
             done: Future = Future()
             values = {k: np.asarray(v) for k, v in arrays.items()}
-            if per_process and i == len(batch) - 1:
+            if per_process and "seconds_per_step" in per_process and i == len(batch) - 1:
                 mine = per_process["seconds_per_step"]
                 self.sent_seconds.append(mine)
                 values["seconds_per_step"] = np.array([mine] + ([self.peer] if self.peer is not None else []))
@@ -192,3 +192,33 @@ def _reporting_max_lag() -> int:
     from eqx_diloco.lm import _reporting
 
     return _reporting.MAX_LAG
+
+
+class SlowPeerGather(RecordingGather):
+    """A second process whose clock runs `ahead_s` ahead of this one's at every exchange."""
+
+    def __init__(self, ahead_s: float):
+        super().__init__()
+        self.ahead_s, self.sent_clocks = ahead_s, []
+
+    def submit_many(self, batch, per_process=None):
+        futures = super().submit_many(batch, per_process)
+        mine = per_process["clock_s"]
+        self.sent_clocks.append(mine)
+        futures[-1].result()["clock_s"] = np.array([mine, mine + self.ahead_s])
+        return futures
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_every_process_reads_the_same_clock_the_slowest_one(lag):
+    """A schedule by time (checkpoints) decides from `clock_s`: the most any process measured, as of the
+    newest emitted exchange, so every process decides on the same step."""
+    gather = SlowPeerGather(ahead_s=100.0)
+    report, _ = reporter(lag, 12, gather)
+    for t in range(1, 13):
+        report.publish(pending(t))
+        report.flush(keep=lag)
+        if gather.sent_clocks and not report._inflight:  # every exchange sent so far emitted
+            assert report.clock_s == gather.sent_clocks[-1] + 100.0
+    report.flush()
+    assert report.clock_s == gather.sent_clocks[-1] + 100.0 > 100.0

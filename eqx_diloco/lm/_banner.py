@@ -99,7 +99,10 @@ def setup_lines(config) -> list[str]:
         config.data.source, f"{config.data.source} {config.data.path}")
     ck = config.checkpoint
     if ck.every > 0:
-        checkpoints = f"every {ck.every} steps in {ck.dir or Path(config.run_dir) / 'checkpoints'} (reruns resume)"
+        where = f"in {ck.dir or Path(config.run_dir) / 'checkpoints'} (reruns resume)"
+        checkpoints = (f"every {ck.every_minutes:g} minutes {where}" if ck.every_minutes else
+                       f"every {ck.every} steps {where}" + ("; on GPU and TPU every 5 minutes instead"
+                                                           if ck.every_minutes is None else ""))
     else:
         checkpoints = "off (--checkpoint.every 0)"
     file_vocab = token_file_vocab(config.data)  # where the vocabulary comes from, when a token file says

@@ -16,6 +16,7 @@ class Hook:
     - `fn`: `(state, t) -> state`, called after step `t` (with every sync of it settled).
     - `at_end`: also after the last step.
     - `on_stop`: also at the step the run stops on SIGTERM / SIGHUP.
+    - `when`: also after any step for which this says so (a schedule by time); None: steps only.
     """
 
     name: str
@@ -23,7 +24,9 @@ class Hook:
     fn: Callable[[TrainState, int], TrainState]
     at_end: bool = True
     on_stop: bool = False
+    when: Callable[[], bool] | None = None
 
     def due(self, t: int, *, final: bool, stop: bool) -> bool:
         """Whether the hook runs after step `t` (`final`: the last step; `stop`: the run stops there)."""
-        return (self.every > 0 and t % self.every == 0) or (final and self.at_end) or (stop and self.on_stop)
+        return ((self.every > 0 and t % self.every == 0) or (final and self.at_end) or (stop and self.on_stop)
+                or (self.when is not None and self.when()))

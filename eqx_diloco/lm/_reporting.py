@@ -83,6 +83,9 @@ class Reporter:
     _inflight: collections.deque = dataclasses.field(default_factory=collections.deque)  # sent, not emitted
     _unsent: list = dataclasses.field(default_factory=list)  # published, exchange not started
     _timer: tuple[float, int] = (0.0, 0)  # when the last logged step was read, and which step
+    # Seconds since `start_time` when the newest emitted exchange's last step was read, the most any
+    # process measured: the same on every process, so a schedule by time (checkpoints) picks one step.
+    clock_s: float = 0.0
     current_lag: int = 0  # steps per exchange now: `lag`, or more where steps are short (see `interval_s`)
     _last_sent_at: float | None = None  # when the last step of the previous exchange was read here
 
@@ -143,13 +146,13 @@ class Reporter:
     def _send(self) -> None:
         """Start one exchange for every published step not yet sent (with this process's seconds per
         step over them, where the lag adapts)."""
-        per_process = None
         read = [pending["read_at"] for pending, _ in self._unsent]
+        per_process = {"clock_s": read[-1] - self.start_time}
         if self.lag > 0 and self.interval_s > 0:
             first = self._last_sent_at if self._last_sent_at is not None else read[0]
             steps = len(read) if self._last_sent_at is not None else len(read) - 1
             # No span to measure (one step, first exchange): infinitely long steps keep the lag at `lag`.
-            per_process = {"seconds_per_step": (read[-1] - first) / steps if steps else math.inf}
+            per_process["seconds_per_step"] = (read[-1] - first) / steps if steps else math.inf
         self._last_sent_at = read[-1]
         futures = self.gather.submit_many([arrays for _, arrays in self._unsent], per_process=per_process)
         self._inflight.extend(dict(pending, gathered=f) for (pending, _), f in zip(self._unsent, futures))
@@ -187,6 +190,8 @@ class Reporter:
         m = dict(pending["gathered"].result())
         if "seconds_per_step" in m:  # the last step of an exchange
             self._adapt_lag(m.pop("seconds_per_step"))
+        if "clock_s" in m:  # likewise
+            self.clock_s = float(np.max(m.pop("clock_s")))
         global_finite = pending["global_finite"]
         if "global_finite" in m:
             global_finite = bool(np.all(m.pop("global_finite")))

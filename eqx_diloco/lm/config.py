@@ -194,6 +194,8 @@ class CheckpointConfig:
 
     every: int = 100
     """steps between checkpoints (0 disables checkpointing)."""
+    every_minutes: float | None = None
+    """minutes between checkpoints, in place of `--checkpoint.every` steps: a save at the first step this long after the previous one (or the start). Unset: 5 on GPU and TPU, where 100 steps of a large model can take well under a minute and each save writes the whole train state; steps on CPU. 0: steps on every backend."""
     keep: int = 3
     """how many recent checkpoints to keep."""
     dir: Path | None = None
@@ -324,6 +326,9 @@ def validate(config: Config) -> None:
         _require(value >= 0, f"{flag} must be >= 0 (got {value})")
     _require(0 <= config.dist.metrics_interval_s < float("inf"),
              f"--dist.metrics-interval-s must be a finite number >= 0 (got {config.dist.metrics_interval_s})")
+    minutes = config.checkpoint.every_minutes
+    _require(minutes is None or 0 <= minutes < float("inf"),
+             f"--checkpoint.every-minutes must be a finite number >= 0 (got {minutes})")
     _require(config.checkpoint.keep >= 1, f"--checkpoint.keep must be >= 1 (got {config.checkpoint.keep})")
     _require(config.checkpoint.restore_step is None or config.checkpoint.restore_step >= 1,
              f"--checkpoint.restore-step must be >= 1 (got {config.checkpoint.restore_step})")

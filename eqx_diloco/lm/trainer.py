@@ -14,6 +14,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import Transformer
+from models._config import target_platform
 
 from .._checkpoint import Checkpointer, CheckpointSaveError
 from .._compile_ahead import connect_sync_processes
@@ -23,11 +24,14 @@ from .._mesh import BATCH_SPEC
 from .._replica_values import ReplicaGather, replicated_value
 from .._state import TrainState
 from .._tree import row_finite
-from ._banner import finished_message, format_summary
+from . import _spread
+from ._banner import finished_message, format_bytes, format_summary
+from ._checkpoint_schedule import checkpoint_minutes, checkpoint_nbytes, schedule_phrase
 from ._compile_cpus import narrow_to_share, widen_for_compiles
 from ._core import Traffic, eval_loss, global_model, lm_objective, make_diloco, new_model, place
 from ._env_hooks import fail_for_test, island_speed
 from ._finite import FiniteChecks, finite_check
+from ._fit import fit_on_device
 from ._hooks import Hook
 from ._phases import mark
 from ._reporting import Reporter
@@ -56,8 +60,14 @@ class Trainer:
     verbose: bool = True
 
     def __post_init__(self):
-        config = self.config
-        validate(config)
+        validate(self.config)
+        # On an accelerator: islands over the devices given (no --mesh.* flag), then a layout whose step fits.
+        facts = _spread.device_facts()
+        self.spread = _spread.spread_over_devices(self.config, **facts)
+        self.fit = fit_on_device(self.spread.config, facts["device_memory"], facts["platform"])
+        if self.fit.config is not self.config:
+            validate(self.fit.config)  # the batch split over the island's devices, among others
+        self.config = config = self.fit.config
         self.is_main = jax.process_index() == 0
         d, t = config.diloco, config.train
         self.diloco = config.algorithm == "diloco"
@@ -100,6 +110,8 @@ class Trainer:
         self.metrics_lag = config.dist.metrics_lag if jax.process_count() > 1 else 0
         ck = config.checkpoint
         self.checkpointer = Checkpointer(ck.dir or config.run_dir / "checkpoints", every=ck.every, keep=ck.keep)
+        self.checkpoint_minutes = checkpoint_minutes(config, target_platform())  # 0: by steps
+        self._saved_at_s = 0.0  # the agreed clock (`Reporter.clock_s`) at the last save
         self.island = self.islands[jax.process_index()] if self.elastic else None
         self.snapshots = (IslandSnapshots(config.run_dir / "elastic" / f"island-{self.island}",
                                           keep=config.elastic.keep_snapshots) if self.elastic else None)
@@ -245,8 +257,15 @@ class Trainer:
 
     def hooks(self) -> list[Hook]:
         """What the loop does on a schedule, in this order: evaluate theta_g, then checkpoint."""
+        by_time = self.checkpoint_minutes > 0
         return [Hook("evaluate", self.config.train.eval_every, self._evaluate),
-                Hook("checkpoint", self.checkpointer.every, self._save, on_stop=True)]
+                Hook("checkpoint", 0 if by_time else self.checkpointer.every, self._save, on_stop=True,
+                     when=self._checkpoint_time if by_time else None)]
+
+    def _checkpoint_time(self) -> bool:
+        """Whether `--checkpoint.every-minutes` have passed since the last save (or the start), by the clock
+        every process agrees on."""
+        return self._reporter.clock_s - self._saved_at_s >= 60 * self.checkpoint_minutes
 
     def _loop(self, state: TrainState, start: int) -> dict[str, Any]:
         T, report, hooks = self.config.train.steps, self._reporter, self.hooks()
@@ -314,9 +333,23 @@ class Trainer:
 
     # -- the loop's parts, in the order it runs them ------------------------------------------
 
+    def banner_lines(self) -> list[str]:
+        """What the built trainer adds to the set-up lines: the devices each island uses (and any left idle),
+        whether the step fits a device's memory and with what remat, what a checkpoint weighs and how often
+        one is saved."""
+        lines = self.spread.lines() + ([self.fit.line] if self.fit.line else [])
+        if self.checkpointer.every > 0:
+            size = format_bytes(checkpoint_nbytes(self.abstract_state))
+            lines.append(f"  checkpoint   {size} each (the whole train state), "
+                         f"{schedule_phrase(self.config, self.checkpoint_minutes)}")
+        return lines
+
     def _announce(self, start: int) -> None:
-        """Say where the run starts, if not from scratch."""
+        """Say where the run starts, if not from scratch (after the trainer's own set-up lines)."""
         display = self._reporter.display
+        if self._show:
+            for line in self.banner_lines():
+                display.log(line)
         if start and self._show:
             if self.elastic_events:
                 display.log(f"re-formed at step {start} with islands {list(self.islands)}")
@@ -404,6 +437,7 @@ class Trainer:
 
     def _save(self, state: TrainState, t: int) -> TrainState:
         """The checkpoint hook (asynchronous; `poll` and `wait` surface a failed save)."""
+        self._saved_at_s = self._reporter.clock_s
         return self.core.save(self.checkpointer, state, metadata=self.config, force=True)
 
     def _stop(self, state: TrainState, t: int) -> None:
