@@ -178,3 +178,13 @@ def check_batch(batch: PyTree, num_replicas: int, split: int = 1) -> None:
                 f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has {shape[1]} examples per replica: the batch "
                 f"axis must be divisible by data_parallel x fsdp = {split}"
             )
+
+
+def check_not_donated(state: PyTree, call: str) -> None:
+    """`state` must still hold its arrays: `step`, `finish` and a due `save` donate the state they
+    are given (XLA reuses its buffers), and only the state they return may be used again."""
+    import jax  # noqa: PLC0415  (see the note on imports above)
+
+    if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+        raise ConfigError(f"{call}: this state was donated to an earlier step, finish or save, which deleted its "
+                          f"arrays: pass the state that call returned")
