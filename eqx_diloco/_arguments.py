@@ -17,6 +17,11 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _is_int(value: Any) -> bool:
+    """A count: an int, but not True or False (which Python counts as 1 and 0)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_topk(topk: float | None, chunk: int) -> str | None:
     """What is wrong with a top-k density and chunk size, naming the arguments (None if fine)."""
     if not (isinstance(chunk, int) and 8 <= chunk <= 65536 and 65536 % chunk == 0):
@@ -99,13 +104,16 @@ def check_arguments(
     for name, value in [("num_replicas", num_replicas), ("sync_period", sync_period),
                         ("num_fragments", num_fragments), ("data_parallel", data_parallel), ("fsdp", fsdp),
                         ("tensor", tensor)]:
-        _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
-    _require(replicas_per_device is None or (isinstance(replicas_per_device, int) and replicas_per_device >= 1),
+        _require(_is_int(value) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
+    _require(replicas_per_device is None or (_is_int(replicas_per_device) and replicas_per_device >= 1),
              f"replicas_per_device must be an int >= 1 or None (got {replicas_per_device!r})")
     _require(replicas_per_device is None or num_replicas % replicas_per_device == 0,
              f"replicas_per_device must divide num_replicas (got K={replicas_per_device}, R={num_replicas})")
-    _require(overlap_steps >= 0, f"overlap_steps must be >= 0 (got {overlap_steps})")
-    _require(router_sync_period >= 0, f"router_sync_period must be >= 0 (got {router_sync_period})")
+    _require(_is_int(overlap_steps) and overlap_steps >= 0, f"overlap_steps must be an int >= 0 (got {overlap_steps!r})")
+    _require(_is_int(router_sync_period) and router_sync_period >= 0,
+             f"router_sync_period must be an int >= 0 (got {router_sync_period!r})")
+    _require(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha),
+             f"alpha must be a number in [0, 1] (got {alpha!r})")
     _require(algorithm in ("diloco", "ddp"), f"algorithm must be diloco or ddp (got {algorithm!r})")
     _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
     _require(comm_device in ("auto", "on", "off"), f"comm_device must be auto, on or off (got {comm_device!r})")

@@ -24,6 +24,7 @@ them, is reported, moved aside as `<step>.corrupt`, and the previous one is used
 
 import contextlib
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -79,6 +80,19 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def json_metadata(metadata: Any) -> Any:
+    """A checkpoint's `metadata` as the JSON values it is stored as ({} for None), or a `ConfigError`
+    naming the rule: found only in orbax's writer thread, a value JSON cannot hold was a traceback
+    per thread after the arrays were already on their way."""
+    value = to_jsonable(metadata if metadata is not None else {})
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"metadata must be JSON: a dict or dataclass of strings, numbers, booleans, None, lists "
+                          f"and dicts with string keys ({e})") from None
+    return value
+
+
 @dataclasses.dataclass
 class Checkpointer:
     """Saves every `every` steps (keeping the newest `keep`) into `directory`; restores the latest.
@@ -98,6 +112,9 @@ class Checkpointer:
     read_only: bool = False
 
     def __post_init__(self):
+        for name, value, least in (("every", self.every, 0), ("keep", self.keep, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"Checkpointer {name} must be an int >= {least} (got {value!r})")
         self.directory = Path(self.directory).absolute()
         self._manager = None
         self._unconfirmed: int | None = None  # the step of a save not known to have finished
@@ -149,6 +166,7 @@ class Checkpointer:
         """
         if self.every <= 0 or self.read_only:
             return
+        config = json_metadata(metadata)
         ocp = _orbax()
         leaves = jax.tree.leaves(state)
         meta = {
@@ -164,7 +182,7 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave({str(i): x for i, x in enumerate(leaves)}),
-                    config=ocp.args.JsonSave(to_jsonable(metadata if metadata is not None else {})),
+                    config=ocp.args.JsonSave(config),
                     meta=ocp.args.JsonSave(meta),
                 ),
             )

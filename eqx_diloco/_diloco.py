@@ -258,6 +258,8 @@ class DiLoCo(Results, Persistence, Traffic):
     def _bind(self, model: PyTree) -> PyTree:
         """Build the programs for models shaped like `model` (once); returns its array part."""
         params, static = eqx.partition(model, is_trainable)
+        _require(len(jax.tree.leaves(params)) > 0,
+                 "model has no floating-point arrays: DiLoCo trains a model's inexact arrays, and leaves the rest as is")
         if self._programs is not None:
             _require(signature(params) == self._programs.signature,
                      "this DiLoCo object was set up for a model of another structure or shape")

@@ -140,3 +140,59 @@ def test_a_donated_state_used_again_is_refused_in_one_line(call):
             diloco.finish(first)
         else:
             diloco.global_model(first)
+
+
+@pytest.mark.parametrize(("argument", "value", "message"), [
+    ("num_replicas", True, "num_replicas must be an int >= 1 (got True)"),
+    ("num_fragments", True, "num_fragments must be an int >= 1 (got True)"),
+    ("overlap_steps", 0.5, "overlap_steps must be an int >= 0 (got 0.5)"),
+    ("router_sync_period", False, "router_sync_period must be an int >= 0 (got False)"),
+    ("alpha", float("nan"), "alpha must be a number in [0, 1] (got nan)"),
+])
+def test_a_bool_or_fraction_for_a_count_is_refused(argument, value, message):
+    """L19: True counted as 1 and overlap_steps 0.5 were accepted."""
+    with pytest.raises(ConfigError) as error:
+        _diloco(**{argument: value})
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(("every", "keep", "message"), [
+    (-1, 3, "Checkpointer every must be an int >= 0 (got -1)"),
+    (1, 0, "Checkpointer keep must be an int >= 1 (got 0)"),
+    (True, 3, "Checkpointer every must be an int >= 0 (got True)"),
+])
+def test_a_checkpointer_schedule_that_cannot_be_is_refused(tmp_path, every, keep, message):
+    """L22: every=-1, keep=0 were accepted."""
+    from eqx_diloco import Checkpointer
+
+    with pytest.raises(ConfigError) as error:
+        Checkpointer(tmp_path / "ckpt", every=every, keep=keep)
+    assert str(error.value) == message
+
+
+def test_metadata_that_is_not_json_is_refused_before_the_save(tmp_path):
+    """L21: a TypeError in orbax's writer thread, then `Event loop is closed` (296 lines, 7 tracebacks)."""
+    from eqx_diloco import Checkpointer
+
+    diloco = _diloco()
+    checkpointer = Checkpointer(tmp_path / "ckpt", every=1, keep=2)
+    state, _ = diloco.step(diloco.init(StackedMLP(key=jax.random.key(0))), make_batch(0, 2))
+    with pytest.raises(ConfigError) as error:
+        diloco.save(checkpointer, state, metadata={"f": object()})
+    assert str(error.value) == ("metadata must be JSON: a dict or dataclass of strings, numbers, booleans, None, lists "
+                                "and dicts with string keys (Object of type object is not JSON serializable)")
+    state = diloco.save(checkpointer, state, metadata={"f": 1})  # the state was not donated: it saves
+    checkpointer.wait()
+    assert checkpointer.steps() == [1]
+    checkpointer.close()
+
+
+def test_a_model_without_float_arrays_is_refused():
+    """L15: JAX's `ValueError: vmap wrapped function must be passed at least one argument`."""
+    import equinox as eqx
+
+    class Counts(eqx.Module):
+        table: jax.Array
+
+    with pytest.raises(ConfigError, match=r"^model has no floating-point arrays: DiLoCo trains a model's inexact"):
+        _diloco(layers=None).init(Counts(jnp.arange(4)))
