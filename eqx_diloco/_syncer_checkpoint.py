@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ._errors import ConfigError
 from ._syncer import Syncer
 
 
@@ -75,3 +76,30 @@ class SyncerCheckpoints:
             self._thread.join()
             self.save_now(self._syncer)
         self.manager.close()
+
+
+def read_theta(directory: str | Path, *, step: int | None = None) -> tuple[int, list[np.ndarray]]:
+    """(step, theta_g's fragments as flat float32 vectors) of the newest syncer checkpoint in `directory`
+    that reads back, or of `step`; for export, while a syncer may still be writing (nothing is created,
+    moved or deleted). Raises `ConfigError` naming the folder when there is none to read."""
+    directory = Path(directory).absolute()
+    steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True) \
+        if directory.is_dir() else []
+    if step is not None:
+        if step not in steps:
+            raise ConfigError(f"no syncer checkpoint of step {step} in {directory} (found {sorted(steps)})")
+        steps = [step]
+    if not steps:
+        raise ConfigError(f"no syncer checkpoint in {directory} (the syncer saves one after its merges)")
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    problems = []
+    try:
+        for candidate in steps:
+            try:
+                tree = manager.restore(candidate, args=ocp.args.StandardRestore())
+                return candidate, [np.asarray(t, np.float32).reshape(-1) for t in tree["theta"]]
+            except Exception as e:  # noqa: BLE001 - a torn, emptied or foreign step folder: try an older one
+                problems.append(f"{candidate}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}")
+    finally:
+        manager.close()
+    raise ConfigError(f"no syncer checkpoint in {directory} reads back ({'; '.join(problems)})")

@@ -3,10 +3,12 @@ gRPC port, the global model's evaluations, and Orbax checkpoints it resumes from
 
 It writes `RUN_DIR/metrics.jsonl` (the global model's evaluations: `step` is the merged tokens in
 synchronous steps of all islands, `tokens`, `time`, `eval_loss`), `RUN_DIR/syncer/metrics.jsonl` (a
-line per merge), `RUN_DIR/syncer/address.json` (the port it listens on) and, when stopped (SIGTERM or
-SIGINT), `RUN_DIR/syncer/summary.json` (tokens merged and refused, merges).
+line per merge), `RUN_DIR/syncer/address.json` (the port it listens on), `RUN_DIR/syncer/config.json`
+(the run's config without `--decoupled.token`, which `python -m eqx_diloco.export` reads) and, when
+stopped (SIGTERM or SIGINT), `RUN_DIR/syncer/summary.json` (tokens merged and refused, merges).
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,7 +27,7 @@ from ._core import eval_loss
 from .config import Config
 from .data import TokenBatches, load_tokens
 from .island import RUN_T0_ENV, initial_model, shared_token
-from .metrics import MetricsLog
+from .metrics import MetricsLog, write_config
 from .optimizers import outer_optimizer
 
 
@@ -35,6 +37,7 @@ def run_syncer(config: Config) -> int:
     t0 = float(os.environ.get(RUN_T0_ENV, time.time()))
     folder = config.run_dir / "syncer"
     folder.mkdir(parents=True, exist_ok=True)
+    write_config(folder, dataclasses.replace(config, decoupled=dataclasses.replace(dc, token=None)))  # for export
     params, static = eqx.partition(initial_model(config), eqx.is_inexact_array)
     fragmenter = Fragmenter.for_model(params, lambda m: m.blocks, d.num_fragments, d.fragment_pattern)
     merges, evals, lock = MetricsLog(folder, append=True), MetricsLog(config.run_dir, append=True), threading.Lock()
