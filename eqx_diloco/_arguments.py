@@ -95,6 +95,7 @@ def check_arguments(
     outer_state_memory: str = "device",
     param_specs: Any = None,
     sync_compiler_options: Any = None,
+    check_losses: bool = True,
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
@@ -105,6 +106,7 @@ def check_arguments(
                         ("num_fragments", num_fragments), ("data_parallel", data_parallel), ("fsdp", fsdp),
                         ("tensor", tensor)]:
         _require(_is_int(value) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
+    _require(isinstance(check_losses, bool), f"check_losses must be True or False, got {check_losses!r}")
     _require(replicas_per_device is None or (_is_int(replicas_per_device) and replicas_per_device >= 1),
              f"replicas_per_device must be an int >= 1 or None (got {replicas_per_device!r})")
     _require(replicas_per_device is None or num_replicas % replicas_per_device == 0,

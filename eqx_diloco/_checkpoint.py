@@ -24,7 +24,6 @@ them, is reported, moved aside as `<step>.corrupt`, and the previous one is used
 
 import contextlib
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +33,7 @@ import numpy as np
 
 from ._checksums import checksums
 from ._errors import ConfigError
-from ._json import to_jsonable
+from ._json import json_metadata
 
 PyTree = Any
 
@@ -78,19 +77,6 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
     text = (str(e).strip().splitlines() or [""])[0]
     text = text if len(text) <= limit else text[: limit - 3] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def json_metadata(metadata: Any) -> Any:
-    """A checkpoint's `metadata` as the JSON values it is stored as ({} for None), or a `ConfigError`
-    naming the rule: found only in orbax's writer thread, a value JSON cannot hold was a traceback
-    per thread after the arrays were already on their way."""
-    value = to_jsonable(metadata if metadata is not None else {})
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"metadata must be JSON: a dict or dataclass of strings, numbers, booleans, None, lists "
-                          f"and dicts with string keys ({e})") from None
-    return value
 
 
 @dataclasses.dataclass

@@ -4,7 +4,8 @@ from typing import Any, Callable
 
 from jaxtyping import PRNGKeyArray
 
-from ._checkpoint import Checkpointer, json_metadata
+from ._checkpoint import Checkpointer
+from ._json import json_metadata
 from ._elastic import IslandSnapshots, agree_on_step, island_payload, own_replica, reform_state
 from ._errors import ConfigError
 from ._state import TrainState

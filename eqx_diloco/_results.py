@@ -107,7 +107,7 @@ class Results:
         if not self.is_diloco:
             return state
         t = self._current_step(state, "finish")
-        if self._finished and state is self._last_state:
+        if state is self._finished_state:
             return state
         state, _ = self.settle(state)
         stale = self.stale_groups(t)
@@ -122,12 +122,27 @@ class Results:
                 state, finite = self.outer.sync(state, group)
                 self._unchecked.append((t, finite))
         self._check_nonfinite(state, t)
-        self._last_state, self._next_step, self._finished = state, t, True
+        self._last_state, self._next_step, self._finished_state = state, t, state
         return state
 
     def stale_groups(self, t: int) -> list[int]:
         """The parameter groups whose last scheduled sync is older than step `t` (see `finish`)."""
         return [sync_group.index for sync_group in self._sync_groups if sync_group.last_sync(t) < t]
+
+    def _current_step(self, state: TrainState, call: str = "step") -> int:
+        if state is self._last_state:
+            return self._next_step
+        check_not_donated(state, call)
+        return int(jax.device_get(state.step))  # a state we did not hand out: ask the device
+
+    def _check_flags(self, state: TrainState, t: int, finite: Array) -> None:
+        """In step `t`, once its inner step is dispatched (the devices keep working while the host
+        waits): check the flags of the syncs that finished before it and of the step before, then
+        queue this step's `finite` flags (R,) of loss and gradients, with `check_losses`."""
+        if self._unchecked or self._unchecked_losses:
+            self._check_nonfinite(state, t)
+        if self.check_losses:
+            self._unchecked_losses.append((t, finite))
 
     def _check_nonfinite(self, state: TrainState, t: int) -> None:
         """Raise `NonFiniteError` for the first unread flags (of inner steps or syncs, by step) that

@@ -194,5 +194,5 @@ def test_a_model_without_float_arrays_is_refused():
     class Counts(eqx.Module):
         table: jax.Array
 
-    with pytest.raises(ConfigError, match=r"^model has no floating-point arrays: DiLoCo trains a model's inexact"):
+    with pytest.raises(ConfigError, match=r"^model has no floating-point arrays: DiLoCo trains those"):
         _diloco(layers=None).init(Counts(jnp.arange(4)))
