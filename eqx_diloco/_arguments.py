@@ -118,7 +118,8 @@ def check_arguments(
              f"alpha must be a number in [0, 1] (got {alpha!r})")
     _require(algorithm in ("diloco", "ddp"), f"algorithm must be diloco or ddp (got {algorithm!r})")
     _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
-    _require(comm_device in ("auto", "on", "off"), f"comm_device must be auto, on or off (got {comm_device!r})")
+    _require(comm_device in ("auto", "on", "host", "off"),
+             f"comm_device must be auto, on, host or off (got {comm_device!r})")
     _require(quantize in FORMATS, f"quantize must be one of {', '.join(FORMATS)} (got {quantize!r})")
     topk_problem = check_topk(topk, topk_chunk)
     _require(topk_problem is None, str(topk_problem))

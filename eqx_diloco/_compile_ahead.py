@@ -37,6 +37,13 @@ def _abstract(shapes: Any, shardings: Any, mesh: Mesh | None = None) -> Any:
         shapes, shardings)
 
 
+def abstract_like(tree: Any) -> Any:
+    """`tree`'s arrays as ShapeDtypeStructs with their shardings: what compiling a program for them needs,
+    kept where the arrays themselves may be donated (deleted) before the compile runs."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                       weak_type=x.aval.weak_type), tree)
+
+
 def compile_install_ahead(install: Callable, state: TrainState, arriving: tuple, mesh: Mesh) -> None:
     """Compile the jitted `install(state, *arriving)` now (once), for values that will arrive on `mesh`.
 

@@ -109,9 +109,12 @@ class DiLoCo(Results, Persistence, Traffic):
       `skip` (such a replica keeps its step / is left out; all of them raise). `check_losses=False`
       leaves the loss flags to the caller (the CLI checks the losses it exchanges over processes).
     - `data_parallel`: devices per replica on the `data` mesh axis.
-    - `comm_device`: with tau > 0, run syncs on extra devices so they overlap compute for real,
-      `fsdp x tensor` of them per mesh row (one per shard): `auto` (on CPU, where the process
-      has the devices), `on`, `off`.
+    - `comm_device`: with tau > 0 (or `outer_overlap`), run syncs on devices of their own so they
+      overlap compute for real, `fsdp x tensor` of them per mesh row (one per shard): `on` (extra
+      devices of the compute backend), `host` (the process's CPU devices: beside a GPU or TPU the
+      CPU client's, `jax.devices("cpu")`, as many as `use_cpu_devices` asked for; values are
+      copied there and back, see `_host`), `off` (the compute devices), or `auto`: `on` on a CPU
+      backend, `host` on a GPU or TPU, where the process has the devices.
     - `algorithm`: `diloco`, or `ddp` (gradients averaged every step; the baseline).
     - `replicas_per_device`: K, replicas that share one row of `data_parallel` devices, run
       vmapped in one program (a sync sums them before the `psum` over `diloco`); must divide
@@ -175,7 +178,7 @@ class DiLoCo(Results, Persistence, Traffic):
         on_nonfinite: Literal["stop", "skip"] = "stop",
         check_losses: bool = True,
         data_parallel: int = 1,
-        comm_device: Literal["auto", "on", "off"] = "auto",
+        comm_device: Literal["auto", "on", "host", "off"] = "auto",
         algorithm: Literal["diloco", "ddp"] = "diloco",
         replicas_per_device: int | None = None,
         mesh: Mesh | None = None,
@@ -231,6 +234,10 @@ class DiLoCo(Results, Persistence, Traffic):
                  f"mesh has {rows} rows on 'diloco': num_replicas ({num_replicas}) must be rows x replicas_per_device"
                  f" ({replicas_per_device})")
         self.mesh, self.comm_mesh = mesh, comm_mesh
+        # Syncs run on the host's CPUs where asked, or where a comm_mesh brought by the caller is on another
+        # backend than the compute mesh: then a thread of their own copies and dispatches them (`_host`).
+        self.sync_on_host = comm_mesh is not None and (
+            comm_device == "host" or comm_mesh.devices.flat[0].platform != mesh.devices.flat[0].platform)
         # K replicas live on each row of the mesh (stepped under vmap; a sync sums them locally).
         self.replicas_per_device = num_replicas // rows
         # Host-side state, all of it. The device state (`TrainState`) is the rest.
@@ -322,7 +329,7 @@ class DiLoCo(Results, Persistence, Traffic):
         """Run the syncs and merges due after step t. Returns (state, finite, synced, applied).
 
         With tau = 0 a sync and its merge are one program. With tau > 0 the sync is launched
-        (on the communication devices, if any) and the host moves on; tau steps later its
+        (on the communication devices or the host's CPUs, if any) and the host moves on; tau steps later its
         result is installed and merged. `finite` (R,) belongs to the syncs that finished here.
         """
         if not self.is_diloco:

@@ -62,7 +62,8 @@ from ._codec import as_codec
 from ._exchange import resolve_method, sent_values
 from ._tree import all_finite, cast_like, keep_if, row_finite
 from ._groups import ParamGroup
-from ._compile_ahead import compile_install_ahead
+from ._compile_ahead import abstract_like, compile_install_ahead
+from ._host import HostHandoff, arrived
 from ._outer import move_to_mesh, replica_mean, unflatten_like, with_residuals
 from ._sharding import all_rows_finite, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
@@ -79,7 +80,13 @@ class InFlightExchange:
     """A group's launched exchange: (mean, finite (R,), own error) still on its way."""
 
     group: int
-    outputs: PyTree
+    launched: PyTree  # those outputs, or a Future of them while a `HostHandoff` is dispatching the exchange
+
+    @property
+    def outputs(self) -> PyTree:
+        """The exchange's outputs (on the communication mesh, if any): waits for a handoff in progress."""
+        self.launched = arrived(self.launched)
+        return self.launched
 
 
 class OverlappedOuter:
@@ -100,6 +107,8 @@ class OverlappedOuter:
     - `value_specs`: per group, its values' PartitionSpecs over the inner axes (a sharded
       island: each device exchanges, and rounds, its own shard; None: replicated).
     - `compiler_options`: XLA options for every program (these run once a round; see `_rare_programs`).
+    - `handoff`: where `comm_mesh` is the host's CPU devices, the worker thread that copies each
+      exchange's values there and dispatches it (see `_host`); None: the calling thread does.
     """
 
     def __init__(self, *, mesh: Mesh, comm_mesh: Mesh | None, groups: tuple[ParamGroup, ...],
@@ -107,8 +116,9 @@ class OverlappedOuter:
                  skip_nonfinite: bool, error_feedback: bool, shardings: TrainState, num_replicas: int | None = None,
                  error_feedback_decay: float = 1.0,
                  value_specs: tuple[list[PartitionSpec], ...] | None = None,
-                 compiler_options: dict[str, Any] | None = None):
+                 compiler_options: dict[str, Any] | None = None, handoff: HostHandoff | None = None):
         self.mesh, self.comm_mesh, self.groups, self.outer_opt = mesh, comm_mesh, groups, outer_opt
+        self.handoff = handoff if comm_mesh is not None else None
         jit = functools.partial(jax.jit, compiler_options=compiler_options)
         self.mode, self.fmt, self.error_feedback, self.skip_nonfinite = mode, fmt, error_feedback, skip_nonfinite
         self.ef_decay = error_feedback_decay
@@ -258,12 +268,20 @@ class OverlappedOuter:
     def sync(self, state: TrainState, group: int) -> tuple[TrainState, InFlightExchange]:
         """Outer step of `group` with the arrived mean; then launch this round's exchange."""
         state, sent = self._outer[group](state)
+        if self.handoff is not None:  # the copy to the host waits for the outer step: off this thread
+            job = functools.partial(self._dispatch, group, sent, abstract_like(state))
+            return state, InFlightExchange(group, self.handoff.submit(job))
+        return state, InFlightExchange(group, self._dispatch(group, sent, state))
+
+    def _dispatch(self, group: int, sent: list, state: TrainState) -> PyTree:
+        """Move what the replicas send to the communication mesh, dispatch the exchange there, and compile
+        the install of its result (once) for `state` (concrete or abstract)."""
         if self.comm_mesh is not None:
             sent = move_to_mesh(sent, self.mesh, self.comm_mesh)
         outputs = self._exchange[group](sent)
         mean, _, own_error = outputs
         compile_install_ahead(self._install[group], state, (mean, own_error), self.mesh)
-        return state, InFlightExchange(group, outputs)
+        return outputs
 
     def install(self, state: TrainState, in_flight: InFlightExchange) -> tuple[TrainState, jax.Array]:
         """Put an arrived exchange into the state's mailbox (waits for it). Returns (state, finite)."""

@@ -8,7 +8,8 @@ overlap compute, each row has its own *communication devices* (its row of the co
 On CPU hosts a collective inside the compute program, or a second program on the same
 device, blocks compute; a program on a second local device runs beside it. All devices
 of a row live in one process, so moving data between its compute and communication
-devices is a local copy.
+devices is a local copy. Beside a GPU or TPU the communication devices are the process's CPU
+devices (`comm_device="host"`, see `_host`).
 """
 
 from typing import Literal
@@ -19,6 +20,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ._arguments import check_replicas_per_process, processes_per_island
 from ._errors import ConfigError
+from . import _host
+from ._host import sync_placement, too_few_host_devices
 
 AXES = ("diloco", "data", "fsdp", "tensor")
 INNER = ("data", "fsdp", "tensor")  # the axes inside one row (replica)
@@ -32,7 +35,8 @@ def use_cpu_devices(count: int) -> None:
 
     A CPU-only machine has one device by default, and `DiLoCo` wants R x `data_parallel`
     devices (plus one communication device per shard of each replica when syncs overlap
-    compute; with fewer it packs replicas onto devices). This sets JAX's global `jax_num_cpu_devices`, which can
+    compute; with fewer it packs replicas onto devices). Beside a GPU or TPU it sets the CPU
+    devices that syncs with `comm_device="host"` run on. This sets JAX's global `jax_num_cpu_devices`, which can
     only change before JAX creates its backends: `DiLoCo` never calls it for you.
 
     **Arguments:**
@@ -112,7 +116,7 @@ def build_meshes(
     num_replicas: int,
     data: int = 1,
     *,
-    comm_device: Literal["auto", "on", "off"] = "off",
+    comm_device: Literal["auto", "on", "host", "off"] = "off",
     replicas_per_device: int | None = None,
     fsdp: int = 1,
     tensor: int = 1,
@@ -129,9 +133,12 @@ def build_meshes(
     - `fsdp`, `tensor`: devices per row on the `fsdp` and `tensor` axes (a sharded island);
       with either above 1 a row holds one replica.
     - `comm_device`: `on` gives every row `fsdp x tensor` extra communication devices (one
-      for each shard of its island; one for an unsharded row); `auto` does so on CPU only
-      (where a second program on the same device would not overlap), and only where the
-      process has the devices for it; `off`. An island that spans processes has none.
+      for each shard of its island; one for an unsharded row) of the compute backend; `host`
+      takes them from the process's CPU devices (`_host.host_devices`: beside a GPU or TPU,
+      the CPU client's devices; on a CPU backend, the devices the compute mesh leaves);
+      `auto` is `on` on a CPU backend (where a second program on the same device would not
+      overlap) and `host` on a GPU or TPU (where it would queue behind the steps), each only
+      where the process has the devices for it; `off`. An island that spans processes has none.
     - `replicas_per_device`: K, replicas held (and vmapped) by each row of the mesh; must
       divide each process's R / process-count replicas. None picks the smallest K for which
       the process has enough devices (1 where it has one row per replica).
@@ -156,10 +163,16 @@ def build_meshes(
     local_replicas = R // num_processes
     have = min(len(devices) for devices in by_process)
     platform = by_process[0][0].platform
-    comm_wanted = comm_device == "on" or (comm_device == "auto" and platform == "cpu")
+    placement = sync_placement(comm_device, platform)
+    comm_wanted = placement != "off"
+    # The host's CPU devices beside an accelerator are another client's: not counted against its devices.
+    beside = placement == "host" and platform != "cpu"
+    own = 0 if beside else C  # communication devices per row taken from the compute backend's devices
+    host_have = min(len(_host.host_devices(p)) for p in range(num_processes)) if beside else 0
 
     def fits(k: int, comm: bool) -> bool:
-        return local_replicas // k * (D + C * int(comm)) <= have
+        rows = local_replicas // k
+        return rows * (D + own * int(comm)) <= have and (not (comm and beside) or rows * C <= host_have)
 
     divisors = [k for k in range(1, local_replicas + 1) if local_replicas % k == 0]
     K, comm = replicas_per_device, comm_wanted
@@ -174,16 +187,21 @@ def build_meshes(
     elif comm_device == "auto" and not fits(K, comm):
         comm = False
     rows = local_replicas // K
-    per_process = rows * (D + C * int(comm))
+    per_process = rows * (D + own * int(comm))
     for p, devices in enumerate(by_process):
         if len(devices) < per_process:
-            raise too_few_devices(per_process, process=p, have=len(devices), platform=platform, comm=comm,
+            raise too_few_devices(per_process, process=p, have=len(devices), platform=platform, comm=comm and own > 0,
                                   local_replicas=local_replicas, per_device=K, comm_per_row=C,
                                   row="data_parallel x fsdp x tensor" if sharded else "data_parallel")
     compute_rows, comm_rows = [], []
-    for devices in by_process:
+    for p, devices in enumerate(by_process):
         compute_rows.append(np.asarray(devices[: rows * D]).reshape(rows, data, fsdp, tensor))
-        comm_rows.append(np.asarray(devices[rows * D : per_process]).reshape(rows, int(comm), fsdp, tensor))
+        partners = devices[rows * D : per_process]
+        if comm and placement == "host":
+            partners = _host.host_devices(p, frozenset(devices[: rows * D]))[: rows * C]
+            if len(partners) < rows * C:
+                raise too_few_host_devices(rows * C, process=p, have=len(partners))
+        comm_rows.append(np.asarray(partners).reshape(rows, int(comm), fsdp, tensor))
     auto = (AxisType.Auto,) * len(AXES)
     mesh = Mesh(np.concatenate(compute_rows), AXES, axis_types=auto)
     comm_mesh = Mesh(np.concatenate(comm_rows), AXES, axis_types=auto) if comm else None
@@ -198,9 +216,9 @@ def _island_over_processes(by_process: list[list], S: int, data: int, fsdp: int,
     if D % S:
         raise ConfigError(f"an island spanning {S} processes needs data_parallel x fsdp x tensor divisible by {S} "
                           f"(got {D}): each process holds an equal share of its island's devices")
-    if comm_device == "on":
-        raise ConfigError(f"comm_device on needs whole islands per process (each island spans {S} processes): it "
-                          f"runs its syncs on its own devices")
+    if comm_device in ("on", "host"):
+        raise ConfigError(f"comm_device {comm_device} needs whole islands per process (each island spans {S} "
+                          f"processes): it runs its syncs on its own devices")
     for p, devices in enumerate(by_process):
         if len(devices) < D // S:
             raise too_few_devices(D // S, process=p, have=len(devices), platform=platform, comm=False,

@@ -27,10 +27,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
-from ._compile_ahead import compile_install_ahead
+from ._compile_ahead import abstract_like, compile_install_ahead
 from ._exchange import exchange_sum, payload_nbytes_for, resolve_method, wire_nbytes
 from ._tree import all_finite, cast_like, keep_if, row_finite
 from ._groups import ParamGroup
+from ._host import HostHandoff, arrived
 from ._sharding import all_rows_finite, axes_of, per_payload, sharded_axes, value_specs_in
 from ._state import TrainState
 
@@ -216,7 +217,15 @@ class InFlightSync:
     """A group's sync dispatched on the communication mesh whose result is not installed yet."""
 
     group: int
-    outputs: PyTree  # (new global values, new outer state, finite (R,), new residuals)
+    # (new global values, new outer state, finite (R,), new residuals), or a Future of them while a
+    # `HostHandoff` is still copying the group's values to the host and dispatching the sync there.
+    launched: PyTree
+
+    @property
+    def outputs(self) -> PyTree:
+        """The launched sync's outputs (on the communication mesh, if any): waits for a handoff in progress."""
+        self.launched = arrived(self.launched)
+        return self.launched
 
 
 class OuterSync:
@@ -239,6 +248,9 @@ class OuterSync:
     - `value_specs`: per group, its values' PartitionSpecs over the inner axes (None: replicated).
     - `compiler_options`: XLA options for every program (these run once a sync; see `_rare_programs`).
       JAX compiles options only for a top-level call: with them, call the programs outside any `jit`.
+    - `handoff`: where `comm_mesh` is the host's CPU devices (`comm_device="host"`), the worker
+      thread that copies a launched sync's values there and dispatches it (see `_host`); None:
+      the calling thread does.
 
     Two ways to sync a group: `sync` (or `sync_and_merge`) updates the state in one program
     on the compute mesh; `launch` copies the group's values to the communication mesh and
@@ -263,8 +275,10 @@ class OuterSync:
         value_specs: tuple[list[PartitionSpec], ...] | None = None,
         error_feedback_decay: float = 1.0,
         compiler_options: dict[str, Any] | None = None,
+        handoff: HostHandoff | None = None,
     ):
         self.mesh, self.groups, self.outer_opt, self.fmt, self.alpha = mesh, groups, outer_opt, fmt, alpha
+        self.handoff = handoff if comm_mesh is not None else None
         self.skip_nonfinite, self.error_feedback = skip_nonfinite, error_feedback
         self.shardings, self.comm_mesh, self.exchange = shardings, comm_mesh, exchange
         flags = dict(skip_nonfinite=self.skip_nonfinite, error_feedback=self.error_feedback, exchange=exchange,
@@ -382,12 +396,20 @@ class OuterSync:
     def launch(self, state: TrainState, group: int) -> InFlightSync:
         """Dispatch group `group`'s sync on the communication mesh and return without waiting."""
         inputs = self._fns["extract"][group](state)
+        if self.handoff is not None:  # the copy to the host waits for the step: off this thread
+            job = functools.partial(self._dispatch, group, inputs, abstract_like(state))
+            return InFlightSync(group, self.handoff.submit(job))
+        return InFlightSync(group, self._dispatch(group, inputs, state))
+
+    def _dispatch(self, group: int, inputs: tuple, state: TrainState) -> PyTree:
+        """Move a group's extracted values to the communication mesh, dispatch its sync there, and compile
+        the install of its result (once) for `state` (concrete or abstract)."""
         if self.comm_mesh is not None:
             inputs = move_to_mesh(inputs, self.mesh, self.comm_mesh)
         outputs = self._fns["launch"][group](*inputs)
         global_values, outer_state, _, residuals = outputs
         compile_install_ahead(self._fns["install"][group], state, (global_values, outer_state, residuals), self.mesh)
-        return InFlightSync(group, outputs)
+        return outputs
 
     def install(self, state: TrainState, in_flight: InFlightSync) -> tuple[TrainState, Array]:
         """Put a launched sync's result into the state (waits for it). Returns (state, finite)."""

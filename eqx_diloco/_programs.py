@@ -11,6 +11,7 @@ from ._eager import OverlappedOuter
 from ._errors import ConfigError
 from ._fragments import stack_flags
 from ._groups import ParamGroup, make_groups
+from ._host import HostHandoff
 from ._outer import OuterSync, sync_nbytes, sync_wire_nbytes
 from ._sharding import resolve_specs
 from ._state import TrainState, build_state, state_shardings
@@ -95,12 +96,14 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
     inner_step = make_inner_step(d.mesh, d.inner_optimizer, d.loss_fn, static, ddp=not d.is_diloco, skip_nonfinite=skip,
                                  shardings=shardings)
     outer = overlapped = None
+    # Syncs on the host's CPUs are copied there and dispatched by a thread of their own (see `_host`).
+    handoff = HostHandoff() if d.sync_on_host else None
     if d.outer_overlap != "none":
         overlapped = OverlappedOuter(
             mesh=d.mesh, comm_mesh=d.comm_mesh, groups=groups, outer_opt=d.outer_optimizer, mode=d.outer_overlap,
             fmt=d.wire, exchange=d.exchange, skip_nonfinite=skip, error_feedback=d.error_feedback,
             error_feedback_decay=d.error_feedback_decay, shardings=shardings, num_replicas=d.num_replicas, value_specs=value_specs,
-            compiler_options=d.sync_compiler_options,
+            compiler_options=d.sync_compiler_options, handoff=handoff,
         )
     elif d.is_diloco:
         outer = OuterSync(
@@ -108,7 +111,7 @@ def build_programs(d: "DiLoCo", params: PyTree, static: PyTree) -> Programs:
             skip_nonfinite=skip, error_feedback=d.error_feedback, error_feedback_decay=d.error_feedback_decay,
             shardings=shardings, comm_mesh=d.comm_mesh,
             exchange=d.exchange, num_replicas=d.num_replicas, value_specs=value_specs,
-            compiler_options=d.sync_compiler_options,
+            compiler_options=d.sync_compiler_options, handoff=handoff,
         )
     all_shapes = [x.shape for x in jax.tree.leaves(abstract)]
     return Programs(

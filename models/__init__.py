@@ -8,7 +8,7 @@ import importlib
 
 from ._config import TransformerConfig
 
-_LAZY = {"RMSNorm": "._norm", **dict.fromkeys(["Attention", "Block", "MLP", "Transformer"], ".transformer")}
+_LAZY = {"RMSNorm": "._norm", **dict.fromkeys(["Attention", "Block", "MLP", "SwiGLU", "Transformer"], ".transformer")}
 
 
 def __getattr__(name: str):
@@ -17,4 +17,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'models' has no attribute {name!r}")
 
 
-__all__ = ["Attention", "Block", "MLP", "RMSNorm", "Transformer", "TransformerConfig"]
+__all__ = ["Attention", "Block", "MLP", "RMSNorm", "SwiGLU", "Transformer", "TransformerConfig"]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._config import TransformerConfig
+from ._config import TransformerConfig, layout_rule
 from ._norm import RMSNorm
 from .moe import MoE
 
@@ -67,32 +67,44 @@ def _checkpointed(fn, remat: str):
 
 
 class Attention(eqx.Module):
-    """Causal multi-head self-attention with rotary position embeddings.
+    """Causal self-attention with rotary position embeddings and, when `num_kv_heads <
+    num_heads`, grouped-query attention (query head h reads key/value head
+    h // (num_heads / num_kv_heads), as Llama does).
 
     **Arguments:**
 
-    - `config`: a `TransformerConfig`; uses `dim`, `num_heads` and `num_layers`.
+    - `config`: a `TransformerConfig`; uses `dim`, `num_heads`, `num_kv_heads`, `qkv_bias` and
+      `num_layers`.
     - `key`: a JAX PRNG key (keyword-only).
 
     Calling it with `x` of shape `(seq, dim)` runs in `x`'s dtype (the weights are cast to
     it); the scores and their softmax are float32 inside `jax.nn.dot_product_attention`,
-    which applies the causal mask without building a float (T, T) mask.
+    which applies the causal mask without building a float (T, T) mask and reads each key/value
+    head once per group of query heads (no repeated copies).
     """
 
     q: Float[Array, "dim dim"]
-    k: Float[Array, "dim dim"]
-    v: Float[Array, "dim dim"]
+    k: Float[Array, "dim kv_dim"]
+    v: Float[Array, "dim kv_dim"]
     out: Float[Array, "dim dim"]
+    q_bias: Float[Array, " dim"] | None
+    k_bias: Float[Array, " kv_dim"] | None
+    v_bias: Float[Array, " kv_dim"] | None
     num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
         kq, kk, kv, k2 = jax.random.split(key, 4)
-        # Three projections, not one fused (dim, 3 dim) matrix: split by columns over a tensor
-        # axis, each device then holds whole heads of q, k and v alike.
-        self.q, self.k, self.v = (_normal(k, (config.dim, config.dim), 0.02) for k in (kq, kk, kv))
+        kv_dim = config.kv_heads * config.head_dim
+        # Separate projections, not one fused matrix: split by columns over a tensor axis, each
+        # device then holds whole heads of q, k and v alike.
+        self.q = _normal(kq, (config.dim, config.dim), 0.02)
+        self.k, self.v = (_normal(k, (config.dim, kv_dim), 0.02) for k in (kk, kv))
         # Residual-branch outputs are scaled down with depth so the stream's variance stays flat.
         self.out = _normal(k2, (config.dim, config.dim), 0.02 / math.sqrt(2 * config.num_layers))
-        self.num_heads = config.num_heads
+        biases = (jnp.zeros((n,), jnp.float32) if config.qkv_bias else None for n in (config.dim, kv_dim, kv_dim))
+        self.q_bias, self.k_bias, self.v_bias = biases
+        self.num_heads, self.num_kv_heads = config.num_heads, config.kv_heads
 
     def __call__(
         self,
@@ -105,8 +117,13 @@ class Attention(eqx.Module):
         """`implementation`: the `jax.nn.dot_product_attention` kernel (`cudnn` needs an NVIDIA
         GPU and a bfloat16 `x`)."""
         seq, dim = x.shape
+        head_dim = dim // self.num_heads
         q, k, v = (x @ w.astype(x.dtype) for w in (self.q, self.k, self.v))
-        q, k, v = (t.reshape(seq, self.num_heads, dim // self.num_heads) for t in (q, k, v))
+        if self.q_bias is not None:  # broadcast_to is explicit: rank promotion is an error in tests
+            q, k, v = (t + jnp.broadcast_to(b.astype(x.dtype), t.shape)
+                       for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
+        q = q.reshape(seq, self.num_heads, head_dim)
+        k, v = (t.reshape(seq, self.num_kv_heads, head_dim) for t in (k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
         return out.reshape(seq, dim) @ self.out.astype(x.dtype)
@@ -117,7 +134,7 @@ class MLP(eqx.Module):
 
     **Arguments:**
 
-    - `config`: a `TransformerConfig`; uses `dim`, `mlp_ratio` and `num_layers`.
+    - `config`: a `TransformerConfig`; uses `dim`, `ffn_dim` (else `mlp_ratio`) and `num_layers`.
     - `key`: a JAX PRNG key (keyword-only).
 
     Runs in its input's dtype (the float32 weights are cast to it).
@@ -128,7 +145,7 @@ class MLP(eqx.Module):
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
         k1, k2 = jax.random.split(key)
-        hidden = config.mlp_ratio * config.dim
+        hidden = config.ffn_hidden
         self.up = _normal(k1, (config.dim, hidden), 0.02)
         self.down = _normal(k2, (hidden, config.dim), 0.02 / math.sqrt(2 * config.num_layers))
 
@@ -136,10 +153,38 @@ class MLP(eqx.Module):
         return jax.nn.gelu(x @ self.up.astype(x.dtype)) @ self.down.astype(x.dtype), {}
 
 
-def make_ffn(config: TransformerConfig, *, key: PRNGKeyArray) -> "MLP | MoE":
+class SwiGLU(eqx.Module):
+    """Llama's gated feed-forward block, `down(silu(x @ gate) * (x @ up))`. Returns its output and
+    an empty aux dict.
+
+    **Arguments:**
+
+    - `config`: a `TransformerConfig`; uses `dim`, `ffn_dim` (else `mlp_ratio`) and `num_layers`.
+    - `key`: a JAX PRNG key (keyword-only).
+
+    Runs in its input's dtype (the float32 weights are cast to it).
+    """
+
+    gate: Float[Array, "dim hidden"]
+    up: Float[Array, "dim hidden"]
+    down: Float[Array, "hidden dim"]
+
+    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        hidden = config.ffn_hidden
+        self.gate = _normal(k1, (config.dim, hidden), 0.02)
+        self.up = _normal(k2, (config.dim, hidden), 0.02)
+        self.down = _normal(k3, (hidden, config.dim), 0.02 / math.sqrt(2 * config.num_layers))
+
+    def __call__(self, x: Float[Array, "seq dim"]) -> tuple[Float[Array, "seq dim"], dict[str, Array]]:
+        gated = jax.nn.silu(x @ self.gate.astype(x.dtype)) * (x @ self.up.astype(x.dtype))
+        return gated @ self.down.astype(x.dtype), {}
+
+
+def make_ffn(config: TransformerConfig, *, key: PRNGKeyArray) -> "MLP | SwiGLU | MoE":
     if config.kind == "moe":
         return MoE(config, key=key)
-    return MLP(config, key=key)
+    return SwiGLU(config, key=key) if config.mlp == "swiglu" else MLP(config, key=key)
 
 
 class Block(eqx.Module):
@@ -147,21 +192,22 @@ class Block(eqx.Module):
 
     **Arguments:**
 
-    - `config`: a `TransformerConfig` (`kind` picks `MLP` or `MoE` as the feed-forward block).
+    - `config`: a `TransformerConfig` (`kind` and `mlp` pick `MLP`, `SwiGLU` or `MoE` as the
+      feed-forward block).
     - `key`: a JAX PRNG key (keyword-only).
     """
 
     attn_norm: RMSNorm
     attn: Attention
     ffn_norm: RMSNorm
-    ffn: "MLP | MoE"
+    ffn: "MLP | SwiGLU | MoE"
     dropout: float = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
         k1, k2 = jax.random.split(key)
-        self.attn_norm = RMSNorm(config.dim)
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = Attention(config, key=k1)
-        self.ffn_norm = RMSNorm(config.dim)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn = make_ffn(config, key=k2)
         self.dropout = config.dropout
 
@@ -205,12 +251,15 @@ class Transformer(eqx.Module):
     config: TransformerConfig = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+        problem = layout_rule(config)
+        if problem is not None:
+            raise ValueError(f"TransformerConfig.{problem[0]} {problem[1]}")
         k_embed, k_blocks, k_head = jax.random.split(key, 3)
         self.config = config
         self.embed = _normal(k_embed, (config.vocab_size, config.dim), 0.02)
         block_keys = jax.random.split(k_blocks, config.num_layers)
         self.blocks = eqx.filter_vmap(lambda k: Block(config, key=k))(block_keys)
-        self.final_norm = RMSNorm(config.dim)
+        self.final_norm = RMSNorm(config.dim, config.norm_eps)
         self.head = None if config.tie_embeddings else _normal(k_head, (config.dim, config.vocab_size), 0.02)
 
     def apply(
@@ -259,10 +308,10 @@ class Transformer(eqx.Module):
     def tensor_specs(self, axis: str = "tensor") -> "Transformer":
         """Tensor-parallel rules (Megatron's layout): a tree like the model with a PartitionSpec per array.
 
-        The attention's q, k and v projections and the MLP's up projection are split by output
-        columns over `axis` and their partners (the attention output, the MLP's down
-        projection) by input rows, so each device holds whole heads (when `num_heads` is
-        divisible by the axis size) and a block needs one reduction of its output. MoE experts are split over `axis` (whole
+        The attention's q, k and v projections and the MLP's up (and SwiGLU's gate) projections
+        are split by output columns over `axis` and their partners (the attention output, the
+        MLP's down projection) by input rows, so each device holds whole heads (when `num_heads`
+        and `num_kv_heads` are divisible by the axis size) and a block needs one reduction of its output. MoE experts are split over `axis` (whole
         experts per device; `num_experts` must be divisible by the axis size). The head is
         split over the vocabulary; the embedding table, norms and routers are replicated.
         Dimensions left free can take FSDP on top (`eqx_diloco.fsdp_specs(..., base=...)`).
@@ -272,23 +321,31 @@ class Transformer(eqx.Module):
         blocks = specs.blocks
         blocks = eqx.tree_at(lambda b: (b.attn.q, b.attn.k, b.attn.v, b.attn.out), blocks,
                              (columns, columns, columns, rows))
+        if self.blocks.attn.q_bias is not None:  # split with their projections' columns
+            blocks = eqx.tree_at(lambda b: (b.attn.q_bias, b.attn.k_bias, b.attn.v_bias), blocks, (rows, rows, rows))
         if isinstance(self.blocks.ffn, MoE):
             blocks = eqx.tree_at(lambda b: (b.ffn.up, b.ffn.down), blocks, (rows, rows))  # the expert axis
         else:
             blocks = eqx.tree_at(lambda b: (b.ffn.up, b.ffn.down), blocks, (columns, rows))
+            if isinstance(self.blocks.ffn, SwiGLU):
+                blocks = eqx.tree_at(lambda b: b.ffn.gate, blocks, columns)
         specs = eqx.tree_at(lambda m: m.blocks, specs, blocks)
         if self.head is not None:
             specs = eqx.tree_at(lambda m: m.head, specs, PartitionSpec(None, axis))
         return specs
 
     def weight_decay_mask(self) -> "Transformer":
-        """A tree of bools: True for matrices that weight decay should shrink, False for norms."""
+        """A tree of bools: True for matrices that weight decay should shrink, False for norms and biases."""
         mask = jax.tree.map(lambda _: True, self)
-        return jax.tree.map(
+        mask = jax.tree.map(
             lambda m: jax.tree.map(lambda _: False, m) if isinstance(m, RMSNorm) else m,
             mask,
             is_leaf=lambda m: isinstance(m, RMSNorm),
         )
+        if self.blocks.attn.q_bias is None:
+            return mask
+        return eqx.tree_at(lambda m: (m.blocks.attn.q_bias, m.blocks.attn.k_bias, m.blocks.attn.v_bias), mask,
+                           (False, False, False))
 
 
 def lm_loss(

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import jax
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from eqx_diloco.lm import _preflight
 from eqx_diloco.lm._preflight import RunDirLock, check_memory, check_writable, memory_estimates
 from eqx_diloco.lm.config import Config, ConfigError
 from eqx_diloco.lm.export import save_model
+from eqx_diloco.lm.hf import write_hf
 from eqx_diloco.lm.metrics import MetricsLog
 from models import Transformer, TransformerConfig
 
@@ -78,6 +80,10 @@ CASES = [
      ["eqx_diloco.launch", "--num-processes", "2", "--", "--elastic.enabled", "--elastic.min-replicas", "3"], {},
      "--elastic.min-replicas"),
     ("launch-negative-drain", ["eqx_diloco.launch", "--num-processes", "2", "--drain-s", "-1"], {}, "--drain-s"),
+    ("init-from-unknown-architecture", [*TRAIN, "--model.init-from", "{tmp}/gpt2"], {}, "--model.init-from"),
+    ("init-from-contradicting-dim", [*TRAIN, "--model.init-from", "{tmp}/llama", "--model.dim", "64"], {},
+     "--model.dim"),
+    ("init-from-missing-tensor", [*TRAIN, "--model.init-from", "{tmp}/llama-no-head"], {}, "--model.init-from"),
     ("export-to-a-folder", ["eqx_diloco.export", "{tmp}/no-run", "{tmp}"], {}, "OUT"),
     ("sample-truncated-model", ["eqx_diloco.sample", "{tmp}/truncated.eqx"], {}, "truncated.eqx"),
     ("sample-random-model", ["eqx_diloco.sample", "{tmp}/random.eqx"], {}, "random.eqx"),
@@ -119,6 +125,12 @@ def _write_models(tmp: Path) -> None:
     (tmp / "notjson.eqx.json").write_text("{ not json")
     for name in ("truncated", "random"):
         (tmp / f"{name}.eqx.json").write_text(meta)
+    llama = TransformerConfig(**{**TINY.__dict__, "mlp": "swiglu", "num_kv_heads": 1})
+    for name in ("llama", "gpt2", "llama-no-head"):
+        write_hf(Transformer(llama, key=jax.random.key(0)), tmp / name)
+    (tmp / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    tensors = load_file(tmp / "llama-no-head" / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, tmp / "llama-no-head" / "model.safetensors")
 
 
 def _in(tmp: Path, argv: list) -> list:

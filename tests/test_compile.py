@@ -27,6 +27,10 @@ CONFIGS = {
     ),
     "stream-P5-L+1": dict(model=dict(num_layers=4), diloco=dict(num_fragments=5, sync_period=10, overlap_steps=1)),
     "stream-int4-ef": dict(diloco=dict(num_fragments=3, sync_period=6, quantize="int4", error_feedback=True)),
+    # The Llama layout (SwiGLU, one key/value head, q/k/v biases), streamed, with remat.
+    "llama-gqa-P3": dict(model=dict(mlp="swiglu", num_kv_heads=1, qkv_bias=True, ffn_dim=40, num_layers=4,
+                                    remat="dots"),
+                         diloco=dict(num_fragments=3, sync_period=6)),
 }
 
 

@@ -15,9 +15,25 @@ CASES = [(L, P, pattern) for L in (1, 2, 3, 4, 6, 12) for P in range(1, L + 2) i
          for pattern in ("strided", "sequential")]
 
 
-def _model(num_layers):
-    config = TransformerConfig(num_layers=num_layers, dim=8, num_heads=2, mlp_ratio=1, vocab_size=11)
+def _model(num_layers, **layout):
+    config = TransformerConfig(num_layers=num_layers, dim=8, num_heads=2, mlp_ratio=1, vocab_size=11, **layout)
     return Transformer(config, key=jax.random.key(num_layers))
+
+
+# The Llama layout's extra leaves (SwiGLU's gate, narrower k and v, q/k/v biases) are layer leaves like the rest.
+@pytest.mark.parametrize("P,pattern", [(3, "strided"), (5, "sequential"), (3, "balanced")])
+def test_fragments_partition_the_llama_layout_exactly_once(P, pattern):
+    model = _model(4, mlp="swiglu", num_kv_heads=1, qkv_bias=True, tie_embeddings=True)
+    frag = Fragmenter.for_model(model, lambda m: m.blocks, P, pattern)
+    counts = jax.tree.map(jnp.zeros_like, model)
+    for p in range(P):
+        counts = frag.put(counts, p, [v + 1 for v in frag.get(counts, p)])
+    assert all(np.all(c == 1) for c in jax.tree.leaves(counts))
+    assert sum(frag.nbytes(model, p) for p in range(P)) == sum(x.nbytes for x in jax.tree.leaves(model))
+    if pattern != "balanced":
+        layer_one = frag.get(model, 1)
+        assert any(v.shape == (len(frag.layers(1)), 8, 8) for v in layer_one)  # the SwiGLU gate and up
+        assert any(v.shape == (len(frag.layers(1)), 4) for v in layer_one)  # the k and v biases (one head of 4)
 
 
 # Every case of a few depths (get/put run op by op: about a second per case).

@@ -30,6 +30,8 @@ def standard_dtype_promotion():
 
 
 SMALL = TransformerConfig(num_layers=4, dim=32, num_heads=4, mlp_ratio=2, dtype="float32")
+# The Llama layout: SwiGLU, grouped-query attention (2 query heads per key/value head), q/k/v biases.
+LAYOUTS = {"dense": {}, "moe": dict(kind="moe"), "llama": dict(mlp="swiglu", num_kv_heads=2, qkv_bias=True)}
 
 
 def with_(config: TransformerConfig, **changes) -> TransformerConfig:
@@ -40,8 +42,11 @@ def written_out_attention(attn, x, cos, sin):
     """The attention as it was written before `jax.nn.dot_product_attention`: explicit scores,
     a boolean causal mask and a softmax (the reference)."""
     seq, dim = x.shape
+    head_dim, group = dim // attn.num_heads, attn.num_heads // attn.num_kv_heads
     q, k, v = x @ attn.q, x @ attn.k, x @ attn.v
-    q, k, v = (t.reshape(seq, attn.num_heads, dim // attn.num_heads) for t in (q, k, v))
+    q = q.reshape(seq, attn.num_heads, head_dim)
+    # Grouped-query attention: key/value head j serves query heads j * group ... (j + 1) * group - 1.
+    k, v = (jnp.repeat(t.reshape(seq, attn.num_kv_heads, head_dim), group, axis=1) for t in (k, v))
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim // attn.num_heads)
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
@@ -63,8 +68,9 @@ def assert_trees_close(a, b, tol):
 TOKENS = jax.random.randint(jax.random.key(5), (2, 25), 0, 256)
 
 
-def test_fused_attention_equals_the_written_out_attention_at_float32():
-    model = Transformer(SMALL, key=jax.random.key(1))
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
+def test_fused_attention_equals_the_written_out_attention_at_float32(num_kv_heads):
+    model = Transformer(with_(SMALL, num_kv_heads=num_kv_heads), key=jax.random.key(1))
     attn = jax.tree.map(lambda a: a[0], model.blocks).attn
     x = jax.random.normal(jax.random.key(2), (24, SMALL.dim))
     cos, sin = rotary_tables(24, SMALL.head_dim, SMALL.rope_base)
@@ -73,9 +79,9 @@ def test_fused_attention_equals_the_written_out_attention_at_float32():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_remat_none_block_dots_give_the_same_loss_and_gradients(kind):
-    config = with_(SMALL, kind=kind, dropout=0.1)  # dropout: the recomputed forward must draw the same masks
+    config = with_(SMALL, **LAYOUTS[kind], dropout=0.1)  # dropout: the recomputed forward must draw the same masks
     key = jax.random.key(9)
     ref_loss, ref_grads = loss_and_grads(with_(config, remat="none"), TOKENS, key)
     for remat in ("block", "dots"):
@@ -105,13 +111,15 @@ def test_auto_resolves_to_float32_and_xla_on_cpu_and_cudnn_is_refused_there():
 
 @pytest.mark.slow  # the fast tier keeps the core's float32 outer state for bfloat16 parameters
 @standard_promotion
-def test_bfloat16_keeps_float32_parameters_logits_and_loss_and_stays_close_to_float32():
-    model = Transformer(with_(SMALL, dtype="bfloat16"), key=jax.random.key(0))
+@pytest.mark.parametrize("kind", ["dense", "llama"])
+def test_bfloat16_keeps_float32_parameters_logits_and_loss_and_stays_close_to_float32(kind):
+    config = with_(SMALL, **LAYOUTS[kind])
+    model = Transformer(with_(config, dtype="bfloat16"), key=jax.random.key(0))
     assert {x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))} == {jnp.dtype(jnp.float32)}
     logits = model(TOKENS[0, :-1])
     assert logits.dtype == jnp.float32
-    loss, grads = loss_and_grads(with_(SMALL, dtype="bfloat16"), TOKENS)
-    ref_loss, _ = loss_and_grads(SMALL, TOKENS)
+    loss, grads = loss_and_grads(with_(config, dtype="bfloat16"), TOKENS)
+    ref_loss, _ = loss_and_grads(config, TOKENS)
     assert loss.dtype == jnp.float32
     assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-2)
@@ -129,9 +137,9 @@ def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
 
 
 @standard_promotion
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_lowered_bfloat16_inner_step_has_bf16_dot_operands(kind):
-    config = with_(SMALL, dtype="bfloat16", kind=kind)
+    config = with_(SMALL, dtype="bfloat16", **LAYOUTS[kind])
     model = Transformer(config, key=jax.random.key(0))
     opt = optax.adamw(1e-3)
     params = eqx.filter(model, eqx.is_inexact_array)
@@ -203,6 +211,8 @@ def test_cli_refuses_cudnn_where_it_cannot_run_with_one_line_naming_the_flag():
     with pytest.raises(ConfigError, match=r"--model\.attention cudnn needs a head dim <= 128"):
         validate(config(attention="cudnn", dtype="bfloat16", dim=1024, num_heads=4))
     validate(config(attention="cudnn", dtype="bfloat16"))  # the backend's half waits for JAX
+    # Grouped-query attention keeps the head dim: cuDNN takes fewer key/value heads as they are.
+    validate(config(attention="cudnn", dtype="bfloat16", mlp="swiglu", num_kv_heads=1))
     with pytest.raises(ConfigError, match=r"^--model\.attention cudnn needs an NVIDIA GPU.*backend cpu"):
         check_backend(config(attention="cudnn", dtype="bfloat16"), "cpu", nvidia_gpu=False)
     check_backend(config(attention="cudnn", dtype="auto"), "gpu", nvidia_gpu=True)  # auto = bfloat16 there

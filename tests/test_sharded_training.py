@@ -193,3 +193,31 @@ def test_moe_experts_split_over_tensor_train_like_replicated():
     up = sharded_state.params.blocks.ffn.up  # (R, L, experts, dim, hidden)
     assert tuple(up.sharding.spec)[:3] == ("diloco", None, "tensor")
     assert relative(sharded_losses, losses) <= 1e-5
+
+
+@pytest.mark.slow  # a Llama-layout model trained twice
+def test_llama_layout_split_over_tensor_trains_like_replicated():
+    """SwiGLU (gate and up split by columns), grouped-query attention (2 key/value heads: one per tensor
+    device) and q/k/v biases (split with their projections' columns) on fsdp 2 x tensor 2."""
+    config = dataclasses.replace(CONFIG, mlp="swiglu", num_kv_heads=2, qkv_bias=True, ffn_dim=48)
+
+    def run(**layout):
+        diloco = make_core(**layout)
+        state = diloco.init(Transformer(config, key=jax.random.key(0)))
+        losses = []
+        for t in range(12):
+            state, metrics = diloco.step(state, batch(t))
+            losses.append(np.asarray(metrics["loss"]))
+        return diloco, state, np.stack(losses)
+
+    replicated, state, losses = run()
+    sharded, sharded_state, sharded_losses = run(fsdp=2, tensor=2)
+    attn, ffn = sharded_state.params.blocks.attn, sharded_state.params.blocks.ffn
+    assert attn.k.sharding.spec == PartitionSpec("diloco", None, "fsdp", "tensor")
+    assert attn.k.addressable_shards[0].data.shape == (1, 4, 16, 8)  # (R, L, d, 2 heads x 8) / (2, 1, 2, 2)
+    assert tuple(attn.k_bias.sharding.spec)[:3] == ("diloco", None, "tensor")
+    assert ffn.gate.sharding.spec == ffn.up.sharding.spec == PartitionSpec("diloco", None, "fsdp", "tensor")
+    assert relative(sharded_losses, losses) <= 1e-5
+    for got, expected in zip(finished_model(sharded, sharded_state), finished_model(replicated, state)):
+        assert relative(got, expected) <= 1e-5
+    assert losses[-1].mean() < losses[0].mean()

@@ -38,7 +38,8 @@ TINY = ["--model.num-layers", "2", "--model.dim", "32", "--model.num-heads", "2"
     TransformerConfig(num_layers=3, dim=64, num_heads=4),
     TransformerConfig(num_layers=2, dim=32, num_heads=2, mlp_ratio=3, vocab_size=300, tie_embeddings=True),
     TransformerConfig(num_layers=2, dim=32, num_heads=2, kind="moe", num_experts=3, top_k=1),
-], ids=["dense", "tied", "moe"])
+    TransformerConfig(num_layers=2, dim=32, num_heads=4, mlp="swiglu", num_kv_heads=1, qkv_bias=True, ffn_dim=40),
+], ids=["dense", "tied", "moe", "llama"])
 def test_model_size_counts_every_parameter(model):
     """The size the banner states from the config alone equals the built model's arrays."""
     config = Config(model=model)

@@ -84,6 +84,10 @@ def setup_lines(config) -> list[str]:
     d, t, m = config.diloco, config.train, config.model
     count, nbytes = model_size(config)
     kind = "mixture-of-experts" if m.kind == "moe" else "dense"
+    if m.mlp == "swiglu" or m.kv_heads != m.num_heads:  # the Llama layout
+        kind += f" {m.mlp}, {m.kv_heads} key/value heads of {m.num_heads}"
+    weights = [] if m.init_from is None else [f"  weights      from {m.init_from} (--model.init-from; its config.json "
+                                              "set the model's shape)"]
     K = config.mesh.replicas_per_device
     shared = f", {K} replicas per device (vmapped)" if K > 1 else ""
     inner = "".join(f" x {axis}={n}" for axis, n in (("fsdp", config.mesh.fsdp), ("tensor", config.mesh.tensor)) if n > 1)
@@ -107,6 +111,7 @@ def setup_lines(config) -> list[str]:
         f"  model        {kind}, {m.num_layers} layers, width {m.dim}, vocab {m.vocab_size}: "
         f"{_count(count)} parameters ({format_bytes(nbytes)})",
         *vocab,
+        *weights,
         f"  mesh         {mesh}",
         *_link_lines(),
         f"  data         {data}; {d.num_replicas} x {t.batch_size} sequences x {t.seq_len} tokens "
@@ -136,7 +141,8 @@ def runtime_lines(config) -> list[str]:
     devices = jax.devices()
     platform = devices[0].platform if devices else "none"
     mesh, comm_mesh = _meshes(config)
-    comm = 0 if comm_mesh is None else comm_mesh.devices.size
+    # Communication devices among the backend's devices (the host's CPU devices beside an accelerator are not).
+    comm = 0 if comm_mesh is None or comm_mesh.devices.flat[0].platform != platform else comm_mesh.devices.size
     extra = f" ({comm} of them communication devices for overlapped syncs)" if comm else ""
     num_processes = jax.process_count()
     procs, islands = "", []
@@ -159,7 +165,29 @@ def runtime_lines(config) -> list[str]:
     elif cache_dir and num_processes > 1 and sharing_compiles():
         cache += "; process 0 compiles the programs of several processes for all of them"
     return [f"  devices      {len(devices)} x {platform}{procs}{extra}", *islands, *_packing_lines(config, mesh),
-            *_compute_lines(config), f"  compilation  {cache}"]
+            *sync_lines(config, mesh, comm_mesh), *_compute_lines(config), f"  compilation  {cache}"]
+
+
+def sync_lines(config, mesh, comm_mesh) -> list[str]:
+    """Where the run's syncs run and whether they overlap the inner steps (nothing for ddp, or where the
+    flags do not fit the devices: `mesh` None)."""
+    from ._layout import overlapped_syncs
+
+    d = config.diloco
+    if config.algorithm != "diloco" or mesh is None:
+        return []
+    if not overlapped_syncs(config):
+        return ["  syncs        blocking, on the compute devices "
+                "(--diloco.overlap-steps 0, --diloco.outer-overlap none)"]
+    platform = mesh.devices.flat[0].platform
+    if comm_mesh is None:
+        return [f"  syncs        on the compute devices, after the steps in each {platform} device's queue: they do "
+                f"not overlap compute (--diloco.comm-device {d.comm_device})"]
+    count = comm_mesh.devices.size
+    where = f"{count} communication device{'s' if count > 1 else ''}"
+    if comm_mesh.devices.flat[0].platform != platform:
+        where = f"{count} CPU device{'s' if count > 1 else ''} of the host, copied there and back"
+    return [f"  syncs        on {where}: they overlap the steps (--diloco.comm-device {d.comm_device})"]
 
 
 def _meshes(config) -> tuple:
@@ -305,7 +333,19 @@ def _sample_prompt(config) -> str:
     for a larger vocabulary `sample` reads whitespace-separated token ids, here the training data's first."""
     if config.model.vocab_size <= 256:
         return ' --prompt "def "' if config.data.source == "corpus" else ""
+    if config.data.source == "tokens" and config.data.path is not None and _names_a_tokenizer(config.data.path):
+        return ""  # sample reads and prints text with the tokens' own tokenizer
     return f" --prompt {_first_token(config)}    # token ids in, token ids out"
+
+
+def _names_a_tokenizer(data_path) -> bool:
+    from .._errors import ConfigError
+    from .token_shards import tokenizer_for_tokens
+
+    try:
+        return tokenizer_for_tokens(data_path) is not None
+    except ConfigError:
+        return False
 
 
 def _first_token(config) -> int:
@@ -316,7 +356,9 @@ def _first_token(config) -> int:
         from .data import read_token_meta
 
         try:
-            first = np.fromfile(config.data.path, dtype=read_token_meta(Path(config.data.path))["dtype"], count=1)
+            meta = read_token_meta(Path(config.data.path))
+            first_file = Path(config.data.path) / meta["shards"][0]["file"] if "shards" in meta else config.data.path
+            first = np.fromfile(first_file, dtype=meta["dtype"], count=1)
         except (OSError, ValueError):  # ConfigError too: the run read the file, so this is most unlikely
             return 0
         if first.size and int(first[0]) < config.model.vocab_size:

@@ -24,7 +24,12 @@ from .optimizers import inner_optimizer, outer_optimizer
 def new_model(config: TransformerConfig, key) -> Transformer:
     """A freshly initialised model, built by one compiled program: built eagerly, each of its
     initialisers' operations is a program of its own, dozens to compile on a cold start. It runs
-    once, so a small model's is compiled unoptimised on CPU (`rare_program_options`)."""
+    once, so a small model's is compiled unoptimised on CPU (`rare_program_options`).
+    With `config.init_from`, the weights of that Hugging Face folder instead (`key` unused)."""
+    if config.init_from is not None:
+        from .hf import load_hf_weights
+
+        return load_hf_weights(config)
     return _model_builder(options_key(rare_program_options(config.num_params())))(config, key)
 
 

@@ -66,9 +66,9 @@ def memory_estimates(config: Config, num_processes: int = 1) -> dict[str, int]:
     - `--train.batch-size`: a training step over this process's replicas keeps the logits (in the
       compute dtype), their float32 log-softmax and its gradient (vocab x (itemsize + 8) bytes per
       token), plus what the backward pass saves of each layer: all its activations (about
-      (6 + 2 x mlp_ratio) x dim values per token) with `--model.remat none`, its matmul outputs
-      ((5 + mlp_ratio) x dim) with `dots`, and only its input (dim) with `block`, where one layer's
-      activations are rebuilt at a time.
+      6 x dim + 2 x hidden values per token, 3 x hidden for SwiGLU) with `--model.remat none`, its
+      matmul outputs (5 x dim + hidden, 2 x hidden for SwiGLU) with `dots`, and only its input (dim)
+      with `block`, where one layer's activations are rebuilt at a time.
     - `--train.eval-sequences`: an evaluation of the global model makes the logits of every
       held-out sequence at once, and their softmax.
 
@@ -80,8 +80,11 @@ def memory_estimates(config: Config, num_processes: int = 1) -> dict[str, int]:
     itemsize = 2 if m.dtype == "bfloat16" else 4
     local_replicas = max(1, config.diloco.num_replicas // max(1, num_processes))
     tokens = local_replicas * t.batch_size * t.seq_len
-    every_activation = (6 + 2 * m.mlp_ratio) * m.dim
-    saved_per_layer = {"none": every_activation, "dots": (5 + m.mlp_ratio) * m.dim, "block": m.dim}[m.remat]
+    hidden = m.ffn_hidden if m.kind == "dense" else m.mlp_ratio * m.dim
+    gated = m.kind == "dense" and m.mlp == "swiglu"  # gate and up outputs, and their product
+    every_activation = 6 * m.dim + (3 if gated else 2) * hidden
+    saved_per_layer = {"none": every_activation, "dots": 5 * m.dim + (2 if gated else 1) * hidden,
+                       "block": m.dim}[m.remat]
     rebuilt = every_activation if m.remat == "block" else 0
     per_token = m.vocab_size * (itemsize + 8) + (m.num_layers * saved_per_layer + rebuilt) * itemsize
     eval_tokens = t.eval_sequences * t.seq_len

@@ -13,6 +13,7 @@ from models._config import attention_rule
 from .._arguments import check_arguments
 from .._errors import ConfigError
 from ._decoupled_config import DecoupledConfig, validate_decoupled
+from ._hf_config import check_layout, fill_from_folder
 from ._flags import FLAGS, check_backend, flag_names  # noqa: F401  (re-exported: the CLI's flag names)
 
 Algorithm = Literal["diloco", "ddp"]
@@ -57,8 +58,8 @@ class DiLoCoConfig:
     """collective of a quantized sync: `gather` (all-gather every replica's payload: each sends R-1 payloads), `two_phase` (packed reduce-scatter + all-gather: each sends 2(R-1)/R of a payload, like a ring all-reduce; rounds twice) or `auto` (gather at R <= 2, two_phase above; top-k payloads are gathered up to R = 8: a second top-k of the reduced sum trains worse)."""
     router_sync_period: int = 0
     """K > 0 gives MoE router parameters their own outer step every K inner steps (0 = off; router leaves then sync with their fragment)."""
-    comm_device: Literal["auto", "on", "off"] = "auto"
-    """with overlap (tau > 0), run each sync on separate communication devices (one per replica, or per shard of a sharded island) so it really overlaps compute: `auto` = on for CPU, `off` = dispatch it on the compute devices (correct everywhere)."""
+    comm_device: Literal["auto", "on", "host", "off"] = "auto"
+    """with overlap (tau > 0 or --diloco.outer-overlap), run each sync on devices of its own (one per replica, or per shard of a sharded island) so it really overlaps compute: `on` = extra devices of the backend, `host` = the process's CPU devices (beside a GPU or TPU: values copied there and back), `auto` = on for CPU, host for GPU and TPU, `off` = dispatch it on the compute devices (correct everywhere; on an accelerator it then waits behind the steps)."""
     outer_state_memory: Literal["device", "host"] = "device"
     """where theta_g and the outer optimizer state live between syncs: `device` memory, or the devices' `host` memory (JAX's pinned_host memory kind), which frees two parameter-sized copies per device; a sync or merge brings its fragment to the device. Needs --diloco.outer-overlap none."""
 
@@ -118,7 +119,7 @@ class DataConfig:
     """Where tokens come from."""
 
     source: Literal["corpus", "text", "tokens", "synthetic"] = "corpus"
-    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a flat binary file of uint16 or uint32 token ids, memory-mapped, with `<file>.json` giving its dtype and vocab_size, as written by `python -m eqx_diloco.prepare`) or `synthetic` (a learnable pattern, for tests)."""
+    """`corpus` (embedded: the Python standard library's own source, byte-level), `text` (a file or a folder of text files, byte-level), `tokens` (a token folder written by `python -m eqx_diloco.prepare`: shards of uint16 or uint32 ids read as one stream, memory-mapped, with `tokens.json` giving dtype and vocab_size; or a single such file with `<file>.json`) or `synthetic` (a learnable pattern, for tests)."""
     path: Path | None = None
     """the file or folder for `text` and `tokens`."""
     eval_fraction: float = 0.05
@@ -127,6 +128,16 @@ class DataConfig:
     """cap on the embedded corpus size."""
     split: Literal["contiguous", "iid"] = "contiguous"
     """how replicas share the train split: `contiguous` (replica r samples only its own r-th contiguous share, like islands with their own data) or `iid` (every replica samples windows from the whole train split)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Multiple-choice tasks scored with each held-out evaluation (docs/evaluate.md)."""
+
+    tasks: str | None = None
+    """comma-separated jsonl files of multiple-choice questions (`context`, `choices`, `label` per line), scored on the global model at every evaluation (`--train.eval-every`) as lm-evaluation-harness scores them: `eval/<name>/acc` and `eval/<name>/acc_norm` in metrics.jsonl and TensorBoard, <name> being the file's name without `.jsonl`. Text is read as the run's data is (UTF-8 bytes, or the token file's tokenizer)."""
+    max_examples: int = 0
+    """questions of each task file scored at each evaluation, the first ones (0 = all)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,12 +246,14 @@ class Config:
     dist: DistributedConfig = DistributedConfig()
     elastic: ElasticConfig = ElasticConfig()
     decoupled: DecoupledConfig = DecoupledConfig()
+    eval: EvalConfig = EvalConfig()
     compile_cache: bool = True
     """keep compiled programs in JAX's persistent compilation cache ($JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/eqx_diloco/jax, else ~/.cache/eqx_diloco/jax), so the next run of the same config starts training sooner; `--no-compile-cache` compiles everything afresh."""
 
     def __post_init__(self):
         # Library users write Config(run_dir="runs/x"): keep paths as Paths whatever they pass.
         object.__setattr__(self, "run_dir", Path(self.run_dir))
+        object.__setattr__(self, "model", fill_from_folder(self.model))  # --model.init-from's shape
         # `--model.vocab-size` not given: the token file's own vocabulary, so a 2,000-id tokenizer does not get
         # a 32,000-row embedding (an explicit flag smaller than the file's vocab_size is refused in `open_tokens`).
         if isinstance(self.model, ModelFlags) or self.model.vocab_size is None:
@@ -321,6 +334,7 @@ def validate(config: Config) -> None:
              f"--model.dim must be divisible by --model.num-heads (got {m.dim} and {m.num_heads})")
     _require((m.dim // m.num_heads) % 2 == 0,
              f"--model.dim / --model.num-heads must be even for rotary embeddings (got {m.dim // m.num_heads})")
+    check_layout(m)  # --model.mlp, --model.num-kv-heads, ..., --model.init-from
     _require(m.scan_unroll == "auto" or (type(m.scan_unroll) is int and m.scan_unroll >= 0),
              f"--model.scan-unroll must be auto or an int >= 0 (0 = all layers; got {m.scan_unroll})")
     if m.attention == "cudnn" and m.dtype != "auto":  # the backend's half of the rule: `check_backend`
@@ -338,10 +352,9 @@ def validate(config: Config) -> None:
     if data.source in ("text", "tokens"):
         _require(data.path is not None, f"--data.path is required with --data.source {data.source}")
         _require(data.path.exists(), f"--data.path does not exist: {data.path}")
-        _require(
-            data.path.is_file() or (data.source == "text" and data.path.is_dir()),
-            f"--data.path must be a regular file{' or a folder' if data.source == 'text' else ''} "
-            f"(not a device, FIFO or socket): {data.path}",
+        _require(  # a folder of text files, or a token folder written by prepare
+            data.path.is_file() or data.path.is_dir(),
+            f"--data.path must be a regular file or a folder (not a device, FIFO or socket): {data.path}",
         )
     else:
         _require(
@@ -385,6 +398,14 @@ def validate(config: Config) -> None:
         )
     except ConfigError as e:
         raise ConfigError(flag_names(str(e))) from None
+    _require(config.eval.max_examples >= 0, f"--eval.max-examples must be >= 0 (got {config.eval.max_examples})")
+    if config.eval.tasks:
+        _require(config.decoupled.role == "off", "--eval.tasks is scored by the trainer's evaluations; a decoupled "
+                 "run evaluates in its syncer, which scores the held-out loss only: score an export with "
+                 "python -m eqx_diloco.evaluate instead")
+        from .tasks import read_tasks  # reads the files now, before JAX starts: a bad row fails in a second
+
+        read_tasks(config.eval.tasks, flag="--eval.tasks")
     validate_decoupled(config)
     if config.algorithm == "ddp":
         return

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ConfigError, DataConfig
+from .token_shards import FOLDER_META_NAME, ShardedTokens, read_folder_meta
 
 
 def corpus_bytes(max_bytes: int) -> bytes:
@@ -104,16 +105,18 @@ TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def token_meta_path(path: Path | str) -> Path:
-    """The metadata JSON beside a token file: `<file>.json`."""
-    return Path(f"{path}.json")
+    """The metadata JSON of a token file (`<file>.json`) or of a token folder (`<folder>/tokens.json`)."""
+    return Path(path) / FOLDER_META_NAME if Path(path).is_dir() else Path(f"{path}.json")
 
 
 def read_token_meta(path: Path) -> dict:
     """The metadata of token file `path` ({"dtype": "uint16" | "uint32", "vocab_size": int, ...}).
 
     A file without `<file>.json` is read as uint16 with an unknown vocabulary (then every id is
-    checked against `--model.vocab-size`).
+    checked against `--model.vocab-size`). A token folder's is its `tokens.json` (see `token_shards`).
     """
+    if Path(path).is_dir():
+        return read_folder_meta(Path(path))
     meta_path = token_meta_path(path)
     if not meta_path.is_file():
         return {"dtype": "uint16", "vocab_size": None}
@@ -202,7 +205,12 @@ def open_tokens(path: Path, vocab_size: int) -> np.ndarray:
     eqx_diloco.prepare`); without it the file is uint16 ids. The file's size must match the
     metadata's dtype and `num_tokens`, and its largest id (see `max_token_id`) must be below both
     the metadata's `vocab_size` and `vocab_size`.
+
+    A token folder written by `prepare` (shards plus `tokens.json`) is read as one stream: a
+    `ShardedTokens` over the shards' memory maps, each shard checked as a file is.
     """
+    if Path(path).is_dir():
+        return _open_token_folder(Path(path), vocab_size)
     meta = read_token_meta(path)
     meta_path = token_meta_path(path)
     dtype = np.dtype(TOKEN_DTYPES[meta["dtype"]])
@@ -247,9 +255,47 @@ def open_tokens(path: Path, vocab_size: int) -> np.ndarray:
     return tokens
 
 
+def _open_token_folder(folder: Path, vocab_size: int) -> np.ndarray | ShardedTokens:
+    """The shards of token folder `folder` as one stream, each checked against `tokens.json` (size, token
+    count, dtype) and its largest id against both vocabularies (one cached scan per shard, as for a file)."""
+    meta = read_folder_meta(folder)
+    meta_path = folder / FOLDER_META_NAME
+    dtype = np.dtype(TOKEN_DTYPES[meta["dtype"]])
+    file_vocab = meta["vocab_size"]
+    if file_vocab > vocab_size:
+        raise ConfigError(
+            f"--model.vocab-size is {vocab_size} but {meta_path} gives vocab_size {file_vocab}: "
+            f"pass --model.vocab-size {file_vocab} (or leave the flag out to take it from that file)"
+        )
+    shards = []
+    for entry in meta["shards"]:
+        shard = folder / entry["file"]
+        try:
+            size = shard.stat().st_size
+            if size != entry["num_tokens"] * dtype.itemsize:
+                raise ConfigError(
+                    f"--data.path shard {shard} is {size:,} bytes, but {meta_path} gives it {entry['num_tokens']:,} "
+                    f"{meta['dtype']} tokens ({entry['num_tokens'] * dtype.itemsize:,} bytes): it is truncated or replaced"
+                )
+            tokens = np.memmap(shard, dtype=dtype, mode="r")
+            largest = max_token_id(shard, meta["dtype"])
+        except OSError as e:
+            raise ConfigError(f"--data.path is not readable: {e.filename or shard}: {e.strerror}") from None
+        if largest >= file_vocab:
+            raise ConfigError(f"--data.path shard {shard} holds token id {largest}, but {meta_path} gives vocab_size "
+                              f"{file_vocab}: the shard or the metadata is not what prepare wrote")
+        if largest >= vocab_size:
+            raise ConfigError(
+                f"--model.vocab-size must exceed every token id in --data.path (found id {largest} in {shard})"
+            )
+        shards.append(tokens)
+    return shards[0] if len(shards) == 1 else ShardedTokens(shards)
+
+
 def load_tokens(config: DataConfig, vocab_size: int, seed: int) -> np.ndarray:
     """All tokens of the configured source as a flat array: uint16 in memory for `corpus`, `text` and
-    `synthetic`; for `tokens`, a read-only memory map of the file (see `open_tokens`)."""
+    `synthetic`; for `tokens`, a read-only memory map of the file, or a `ShardedTokens` over the shards
+    of a token folder (see `open_tokens`)."""
     if config.source == "corpus":
         tokens = np.frombuffer(corpus_bytes(config.max_corpus_bytes), np.uint8).astype(np.uint16)
     elif config.source == "text":
@@ -259,8 +305,9 @@ def load_tokens(config: DataConfig, vocab_size: int, seed: int) -> np.ndarray:
         if tokens.size == 0:
             raise ConfigError(f"--data.path holds no text: {config.path}")
     elif config.source == "tokens":
-        if config.path is None or not config.path.is_file():
-            raise ConfigError(f"--data.path must be a file of uint16 or uint32 token ids: {config.path}")
+        if config.path is None or not (config.path.is_file() or config.path.is_dir()):
+            raise ConfigError(f"--data.path must be a file of uint16 or uint32 token ids, or a token folder "
+                              f"written by `python -m eqx_diloco.prepare`: {config.path}")
         return open_tokens(config.path, vocab_size)
     elif config.source == "synthetic":
         tokens = synthetic_tokens(200_000, vocab_size, seed)

@@ -215,9 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=Path, help="the run folder (its --run-dir) or its checkpoint folder")
     parser.add_argument("out", type=Path, nargs="?", default=None,
-                        help="output file (default: RUN_DIR/model.eqx); its config goes to OUT.json")
+                        help="output file (default: RUN_DIR/model.eqx); its config goes to OUT.json. With --format "
+                        "hf: a new folder (default: RUN_DIR/hf)")
     parser.add_argument("--step", type=int, default=None, help="export this checkpoint step (default: newest)")
+    parser.add_argument("--format", choices=("eqx", "hf"), default="eqx",
+                        help="eqx: model.eqx + JSON for this package; hf: a Hugging Face folder (config.json, "
+                        "model.safetensors, the tokenizer) for transformers, vLLM, lm-evaluation-harness")
     args = parser.parse_args(argv)
+    if args.format == "hf":
+        from .hf import main_hf
+
+        return main_hf(args)
     if args.out is None:  # beside the run's metrics, not wherever the command happens to run
         args.out = args.run_dir / "model.eqx"
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only folders

@@ -34,8 +34,9 @@ _STATE_DEFINING = {
 
 
 # Model fields that say how the model runs, not what its parameters are: free to change on resume
-# (a run may go on in bfloat16, with remat or unrolled, from a float32 checkpoint).
-_RUN_ONLY_MODEL = ("dtype", "attention", "scan_unroll", "remat")
+# (a run may go on in bfloat16, with remat or unrolled, from a float32 checkpoint). `init_from` only
+# gave the first weights: a checkpoint replaces them.
+_RUN_ONLY_MODEL = ("dtype", "attention", "scan_unroll", "remat", "init_from")
 
 
 def _lookup(tree: dict, dotted: str) -> Any:

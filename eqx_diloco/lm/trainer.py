@@ -93,6 +93,7 @@ class Trainer:
         self.global_finite = self._row_finite if core.outer_overlap == "eager" else self.theta_finite
         self.checks = FiniteChecks(t.on_nonfinite)
         self.eval_tokens = place(self.batches.eval_batch(t.eval_sequences), NamedSharding(self.mesh, PartitionSpec()))
+        self.eval_tasks = self._encode_tasks()  # --eval.tasks: scored with every evaluation
         self.gather = ReplicaGather(timeout_s=max(60, 4 * config.dist.heartbeat_timeout_s))
         # Steps the other processes' per-step values may trail the loop (their exchange costs round
         # trips to the coordinator over the syncs' link); a single process has nothing to wait for.
@@ -103,6 +104,26 @@ class Trainer:
         self.snapshots = (IslandSnapshots(config.run_dir / "elastic" / f"island-{self.island}",
                                           keep=config.elastic.keep_snapshots) if self.elastic else None)
         self._reporter: Reporter | None = None  # one per `run`, with its `signals`
+
+    def _encode_tasks(self) -> list:
+        """`--eval.tasks`, read as the run reads text, in padded batches placed on the mesh once (each
+        evaluation then runs the same few compiled programs)."""
+        config = self.config
+        if not config.eval.tasks:
+            return []
+        from .tasks import encode_task, read_tasks
+        from .text_encoding import encoder_for_data
+
+        encoder = encoder_for_data(config.data.source, config.data.path, needed_by="--eval.tasks")
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        encoded = []
+        for task in read_tasks(config.eval.tasks, flag="--eval.tasks"):
+            task = encode_task(task, encoder, context=config.train.seq_len, vocab_size=config.model.vocab_size,
+                               max_questions=config.eval.max_examples, flag="--eval.tasks")
+            batches = [dataclasses.replace(b, inputs=place(b.inputs, replicated), targets=place(b.targets, replicated),
+                                           mask=place(b.mask, replicated)) for b in task.batches]
+            encoded.append(dataclasses.replace(task, batches=batches))
+        return encoded
 
     @property
     def log_error(self):
@@ -360,11 +381,22 @@ class Trainer:
         return state
 
     def _evaluate(self, state: TrainState, t: int) -> TrainState:
-        """The evaluation hook: theta_g's loss on the held-out tokens, logged and checked."""
-        value = float(replicated_value(eval_loss(self.core.global_params(state), self.eval_tokens)))
-        self._reporter.write({"step": t, "eval_loss": value})
+        """The evaluation hook: theta_g's loss on the held-out tokens, logged and checked, and its accuracy
+        on `--eval.tasks`."""
+        model = self.core.global_params(state)
+        value = float(replicated_value(eval_loss(model, self.eval_tokens)))
+        record, shown = {"step": t, "eval_loss": value}, f"step {t:>6}  eval_loss {value:.4f}"
+        if self.eval_tasks:
+            from .evaluate import task_scores
+
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            for task in self.eval_tasks:
+                scores = task_scores(model, task, place=lambda a: a, out_sharding=replicated)
+                record.update({f"eval/{task.task.name}/{k}": v for k, v in scores.items()})
+                shown += f"  {task.task.name} acc {scores['acc']:.3f} acc_norm {scores['acc_norm']:.3f}"
+        self._reporter.write(record)
         if self._show:
-            self._reporter.display.log(f"step {t:>6}  eval_loss {value:.4f}")
+            self._reporter.display.log(shown)
         self.checks.check_eval(t, value)
         self._eval_loss = value
         self._reporter.restart_clock()  # do not charge the evaluation to training throughput
