@@ -17,6 +17,11 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _is_int(value: Any) -> bool:
+    """A count: an int, but not True or False (which Python counts as 1 and 0)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_topk(topk: float | None, chunk: int) -> str | None:
     """What is wrong with a top-k density and chunk size, naming the arguments (None if fine)."""
     if not (isinstance(chunk, int) and 8 <= chunk <= 65536 and 65536 % chunk == 0):
@@ -90,6 +95,7 @@ def check_arguments(
     outer_state_memory: str = "device",
     param_specs: Any = None,
     sync_compiler_options: Any = None,
+    check_losses: bool = True,
 ) -> None:
     """Raise `ConfigError` naming the argument for the first rule these `DiLoCo` arguments break.
 
@@ -99,13 +105,17 @@ def check_arguments(
     for name, value in [("num_replicas", num_replicas), ("sync_period", sync_period),
                         ("num_fragments", num_fragments), ("data_parallel", data_parallel), ("fsdp", fsdp),
                         ("tensor", tensor)]:
-        _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
-    _require(replicas_per_device is None or (isinstance(replicas_per_device, int) and replicas_per_device >= 1),
+        _require(_is_int(value) and value >= 1, f"{name} must be an int >= 1 (got {value!r})")
+    _require(isinstance(check_losses, bool), f"check_losses must be True or False, got {check_losses!r}")
+    _require(replicas_per_device is None or (_is_int(replicas_per_device) and replicas_per_device >= 1),
              f"replicas_per_device must be an int >= 1 or None (got {replicas_per_device!r})")
     _require(replicas_per_device is None or num_replicas % replicas_per_device == 0,
              f"replicas_per_device must divide num_replicas (got K={replicas_per_device}, R={num_replicas})")
-    _require(overlap_steps >= 0, f"overlap_steps must be >= 0 (got {overlap_steps})")
-    _require(router_sync_period >= 0, f"router_sync_period must be >= 0 (got {router_sync_period})")
+    _require(_is_int(overlap_steps) and overlap_steps >= 0, f"overlap_steps must be an int >= 0 (got {overlap_steps!r})")
+    _require(_is_int(router_sync_period) and router_sync_period >= 0,
+             f"router_sync_period must be an int >= 0 (got {router_sync_period!r})")
+    _require(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha),
+             f"alpha must be a number in [0, 1] (got {alpha!r})")
     _require(algorithm in ("diloco", "ddp"), f"algorithm must be diloco or ddp (got {algorithm!r})")
     _require(on_nonfinite in ("stop", "skip"), f"on_nonfinite must be stop or skip (got {on_nonfinite!r})")
     _require(comm_device in ("auto", "on", "host", "off"),
@@ -179,3 +189,13 @@ def check_batch(batch: PyTree, num_replicas: int, split: int = 1) -> None:
                 f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has {shape[1]} examples per replica: the batch "
                 f"axis must be divisible by data_parallel x fsdp = {split}"
             )
+
+
+def check_not_donated(state: PyTree, call: str) -> None:
+    """`state` must still hold its arrays: `step`, `finish` and a due `save` donate the state they
+    are given (XLA reuses its buffers), and only the state they return may be used again."""
+    import jax  # noqa: PLC0415  (see the note on imports above)
+
+    if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+        raise ConfigError(f"{call}: this state was donated to an earlier step, finish or save, which deleted its "
+                          f"arrays: pass the state that call returned")

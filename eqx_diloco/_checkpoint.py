@@ -33,7 +33,7 @@ import numpy as np
 
 from ._checksums import checksums
 from ._errors import ConfigError
-from ._json import to_jsonable
+from ._json import json_metadata
 
 PyTree = Any
 
@@ -98,6 +98,9 @@ class Checkpointer:
     read_only: bool = False
 
     def __post_init__(self):
+        for name, value, least in (("every", self.every, 0), ("keep", self.keep, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"Checkpointer {name} must be an int >= {least} (got {value!r})")
         self.directory = Path(self.directory).absolute()
         self._manager = None
         self._unconfirmed: int | None = None  # the step of a save not known to have finished
@@ -149,6 +152,7 @@ class Checkpointer:
         """
         if self.every <= 0 or self.read_only:
             return
+        config = json_metadata(metadata)
         ocp = _orbax()
         leaves = jax.tree.leaves(state)
         meta = {
@@ -164,7 +168,7 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave({str(i): x for i, x in enumerate(leaves)}),
-                    config=ocp.args.JsonSave(to_jsonable(metadata if metadata is not None else {})),
+                    config=ocp.args.JsonSave(config),
                     meta=ocp.args.JsonSave(meta),
                 ),
             )
@@ -291,7 +295,7 @@ class Checkpointer:
             try:
                 saved_config, meta = self.read_json(s)
                 under = lambda prefix: [  # noqa: E731
-                    i for i, p in enumerate(meta["paths"]) if p.startswith(prefix + ".") or p == prefix
+                    i for i, p in enumerate(meta["paths"]) if p == prefix or p.startswith((prefix + ".", prefix + "["))
                 ]
                 prefix = next((p for p in prefixes if under(p)), None)
                 if prefix is None:

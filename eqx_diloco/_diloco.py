@@ -105,8 +105,9 @@ class DiLoCo(Results, Persistence, Traffic):
       roundings) or `auto` (gather at R <= 2 and top-k up to R = 8, else two_phase; float32: psum).
     - `routers`: optional `routers(params) -> tree of bools` flagging leaves that sync on
       their own period (MoE routers); `router_sync_period`: that period K (0 = off).
-    - `on_nonfinite`: `stop` (outer gradients are averaged as they are; whoever reads the
-      metrics stops) or `skip` (a non-finite replica keeps its step / is left out of the mean).
+    - `on_nonfinite`: `stop` (a non-finite loss or outer gradient raises `NonFiniteError`) or
+      `skip` (such a replica keeps its step / is left out; all of them raise). `check_losses=False`
+      leaves the loss flags to the caller (the CLI checks the losses it exchanges over processes).
     - `data_parallel`: devices per replica on the `data` mesh axis.
     - `comm_device`: with tau > 0 (or `outer_overlap`), run syncs on devices of their own so they
       overlap compute for real, `fsdp x tensor` of them per mesh row (one per shard): `on` (extra
@@ -175,6 +176,7 @@ class DiLoCo(Results, Persistence, Traffic):
         routers: Callable[[PyTree], PyTree] | None = None,
         router_sync_period: int = 0,
         on_nonfinite: Literal["stop", "skip"] = "stop",
+        check_losses: bool = True,
         data_parallel: int = 1,
         comm_device: Literal["auto", "on", "host", "off"] = "auto",
         algorithm: Literal["diloco", "ddp"] = "diloco",
@@ -190,7 +192,7 @@ class DiLoCo(Results, Persistence, Traffic):
         _require(callable(loss_fn), "loss_fn must be callable: loss_fn(model, batch, key) -> (loss, aux) or loss")
         _require(layers is None or callable(layers), "layers must be a selector (lambda model: model.blocks) or None")
         check_arguments(
-            num_replicas=num_replicas, sync_period=sync_period, num_fragments=num_fragments,
+            check_losses=check_losses, num_replicas=num_replicas, sync_period=sync_period, num_fragments=num_fragments,
             fragment_pattern=fragment_pattern, overlap_steps=overlap_steps, alpha=alpha, quantize=quantize,
             topk=topk, topk_chunk=topk_chunk,
             error_feedback=error_feedback, outer_overlap=outer_overlap, exchange=exchange,
@@ -210,7 +212,7 @@ class DiLoCo(Results, Persistence, Traffic):
         self.wire = Codec(quantize, topk, topk_chunk)  # what an outer gradient becomes on the wire
         self.outer_overlap = outer_overlap if algorithm == "diloco" else "none"
         self.routers, self.router_sync_period = routers, router_sync_period
-        self.on_nonfinite, self.algorithm = on_nonfinite, algorithm
+        self.on_nonfinite, self.algorithm, self.check_losses = on_nonfinite, algorithm, check_losses
         self.is_diloco = algorithm == "diloco"
         if mesh is None:
             overlapped = self.is_diloco and (overlap_steps > 0 or self.outer_overlap != "none")
@@ -249,12 +251,15 @@ class DiLoCo(Results, Persistence, Traffic):
         # Finite flags (R,) of finished syncs, by the step after which each finished; read
         # in the next step, after its inner step is dispatched (so reading does not stall it).
         self._unchecked: list[tuple[int, Array]] = []
+        # The same for inner steps (`check_losses`); the state `finish` returned (finishing it again changes nothing).
+        self._unchecked_losses, self._finished_state = [], None
 
     # -- set-up for one model shape -----------------------------------------------------------
 
     def _bind(self, model: PyTree) -> PyTree:
         """Build the programs for models shaped like `model` (once); returns its array part."""
         params, static = eqx.partition(model, is_trainable)
+        _require(len(jax.tree.leaves(params)) > 0, "model has no floating-point arrays: DiLoCo trains those")
         if self._programs is not None:
             _require(signature(params) == self._programs.signature,
                      "this DiLoCo object was set up for a model of another structure or shape")
@@ -268,6 +273,7 @@ class DiLoCo(Results, Persistence, Traffic):
         # an earlier state belongs to that state (checkpoints and island snapshots are settled).
         for sync_group in self._sync_groups:
             sync_group.in_flight = None
+        self._unchecked_losses.clear()  # flags of the steps of an earlier state
 
     def __getattr__(self, name: str):
         # Reached only for names not set on the object: the bound programs' fields, and the
@@ -360,11 +366,6 @@ class DiLoCo(Results, Persistence, Traffic):
         state = sync_group.launch(state)
         return state, finite, synced, synced
 
-    def _current_step(self, state: TrainState) -> int:
-        if state is self._last_state:
-            return self._next_step
-        return int(jax.device_get(state.step))  # a state we did not hand out: ask the device
-
     def step(
         self, state: TrainState, batch: PyTree, *, before_sync: Callable[[TrainState], Any] | None = None
     ) -> tuple[TrainState, dict[str, Any]]:
@@ -372,7 +373,7 @@ class DiLoCo(Results, Persistence, Traffic):
 
         **Arguments:**
 
-        - `state`: the current state (donated: do not use it afterwards).
+        - `state`: the current state (donated: passing it again raises `ConfigError`).
         - `batch`: a pytree whose leaves have shape (R, B, ...): replica r's batch is row r.
         - `before_sync`: optional diagnostic `f(state)` run after the inner step of a step
           that starts a sync, before it (e.g. how far replicas drifted); its result is
@@ -383,18 +384,15 @@ class DiLoCo(Results, Persistence, Traffic):
         sync finished at this step, `sync_finite` (R,); plus host ints (or None)
         `synced_fragment` / `applied_fragment`. Reading metrics blocks; the step does not.
 
-        **Raises:** `NonFiniteError` in the step after a sync whose outer gradient was non-finite
-        (`on_nonfinite="stop"`: in any replica; `"skip"`: in every replica) or whose outer step
-        would have made theta_g non-finite. Such an outer step is never applied.
-        `ConfigError` if a batch leaf lacks the leading replica axis of size R.
+        **Raises:** `NonFiniteError` in the step after a non-finite loss or outer gradient
+        (`on_nonfinite="stop"`: in any replica; `"skip"`: in every one) or an outer step that
+        would have made theta_g non-finite (never applied: `error.state` holds the last finite
+        theta_g). `ConfigError` for a batch leaf without the replica axis R, or a non-scalar loss.
         """
         check_batch(batch, self.num_replicas, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         t = self._current_step(state) + 1
         state, metrics = self.inner_step(state, batch)
-        if self._unchecked:
-            # The flags of syncs that finished before this step, read once this step is
-            # dispatched: the devices keep working while the host waits for them.
-            self._check_nonfinite()
+        self._check_flags(state, t, metrics["finite"])
         if before_sync is not None:
             due = self.is_diloco and (self.events(t)[0] is not None or self.router_due(t))
             metrics["before_sync"] = before_sync(state) if due else None

@@ -1,11 +1,14 @@
 """Plain JSON values from configs and metadata (dataclasses, paths, numpy scalars, non-finite floats)."""
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ._errors import ConfigError
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -23,3 +26,16 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None  # bare NaN / Infinity are not JSON
     return obj
+
+
+def json_metadata(metadata: Any) -> Any:
+    """A checkpoint's `metadata` as the JSON values it is stored as ({} for None), or a `ConfigError`
+    naming the rule: found only in orbax's writer thread, a value JSON cannot hold was a traceback
+    per thread after the arrays were already on their way."""
+    value = to_jsonable(metadata if metadata is not None else {})
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"metadata must be JSON: a dict or dataclass of strings, numbers, booleans, None, lists "
+                          f"and dicts with string keys ({e})") from None
+    return value

@@ -5,6 +5,7 @@ from typing import Any, Callable
 from jaxtyping import PRNGKeyArray
 
 from ._checkpoint import Checkpointer
+from ._json import json_metadata
 from ._elastic import IslandSnapshots, agree_on_step, island_payload, own_replica, reform_state
 from ._errors import ConfigError
 from ._state import TrainState
@@ -40,9 +41,10 @@ class Persistence:
 
         **Returns:** the state to use from here on (settled if a save ran).
         """
-        step = self._current_step(state)
+        step = self._current_step(state, "save")
         if not (force or checkpointer.due(step)):
             return state
+        json_metadata(metadata)  # before `settle` donates the state
         state, _ = self.settle(state)
         checkpointer.save(step, state, metadata)
         return state

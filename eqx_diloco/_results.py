@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from ._arguments import check_not_donated
 from ._errors import ConfigError, NonFiniteError
 from ._outer import move_to_mesh
 from ._state import TrainState
@@ -19,6 +20,16 @@ PyTree = Any
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _bad_rows(finite: Array) -> list[int]:
+    """The replicas whose flag in `finite` (R,) is False, among the rows this process holds."""
+    rows = {}
+    for shard in finite.addressable_shards:
+        start = shard.index[0].start or 0
+        for offset, ok in enumerate(np.asarray(shard.data)):
+            rows[start + offset] = bool(ok)
+    return sorted(r for r, ok in rows.items() if not ok)
 
 
 class Results:
@@ -80,8 +91,10 @@ class Results:
         the last step one more outer step (with Streaming DiLoCo every fragment but the one
         that synced last; with any `sync_period` that does not divide the step count, all of
         them), and lands the exchanges still on their way (`outer_overlap` delayed / eager).
-        The replicas are not merged: training is over. Call it once, after the last `step`;
-        data-parallel training has nothing to finish.
+        The replicas are not merged: training is over. Call it after the last `step`; a second
+        call on the state it returned returns that state unchanged (another outer step there
+        would move theta_g again with the outer momentum). Data-parallel training has nothing
+        to finish.
 
         **Arguments:**
 
@@ -93,54 +106,70 @@ class Results:
         """
         if not self.is_diloco:
             return state
-        t = self._current_step(state)
+        t = self._current_step(state, "finish")
+        if state is self._finished_state:
+            return state
         state, _ = self.settle(state)
         stale = self.stale_groups(t)
         if self.overlapped is not None:
             for group in stale:
                 state = self.sync_now(state, group)
             state, _ = self.settle(state)  # their flags are checked before the exchanges land
-            self._check_nonfinite()
+            self._check_nonfinite(state, t)
             state = self.drain(state)
         else:
             for group in stale:
                 state, finite = self.outer.sync(state, group)
                 self._unchecked.append((t, finite))
-        self._check_nonfinite()
-        self._last_state, self._next_step = state, t
+        self._check_nonfinite(state, t)
+        self._last_state, self._next_step, self._finished_state = state, t, state
         return state
 
     def stale_groups(self, t: int) -> list[int]:
         """The parameter groups whose last scheduled sync is older than step `t` (see `finish`)."""
         return [sync_group.index for sync_group in self._sync_groups if sync_group.last_sync(t) < t]
 
-    def _check_nonfinite(self) -> None:
-        """Raise `NonFiniteError` for the first unread sync flags that the policy does not accept.
+    def _current_step(self, state: TrainState, call: str = "step") -> int:
+        if state is self._last_state:
+            return self._next_step
+        check_not_donated(state, call)
+        return int(jax.device_get(state.step))  # a state we did not hand out: ask the device
+
+    def _check_flags(self, state: TrainState, t: int, finite: Array) -> None:
+        """In step `t`, once its inner step is dispatched (the devices keep working while the host
+        waits): check the flags of the syncs that finished before it and of the step before, then
+        queue this step's `finite` flags (R,) of loss and gradients, with `check_losses`."""
+        if self._unchecked or self._unchecked_losses:
+            self._check_nonfinite(state, t)
+        if self.check_losses:
+            self._unchecked_losses.append((t, finite))
+
+    def _check_nonfinite(self, state: TrainState, t: int) -> None:
+        """Raise `NonFiniteError` for the first unread flags (of inner steps or syncs, by step) that
+        the policy does not accept, carrying `state` (at step `t`), whose theta_g is still finite.
 
         A process reads the rows of the replicas it holds (no collective); in a multi-process
         run the process holding a bad replica raises.
         """
-        unchecked, self._unchecked = self._unchecked, []
-        for t, finite in unchecked:
-            rows = {}
-            for shard in finite.addressable_shards:
-                start = shard.index[0].start or 0
-                for offset, ok in enumerate(np.asarray(shard.data)):
-                    rows[start + offset] = bool(ok)
-            bad = sorted(r for r, ok in rows.items() if not ok)
-            if not bad:
+        # An inner step's flags before the sync after that step: the order things went wrong in.
+        unchecked = sorted([(step, 0, finite) for step, finite in self._unchecked_losses] +
+                           [(step, 1, finite) for step, finite in self._unchecked], key=lambda entry: entry[:2])
+        self._unchecked, self._unchecked_losses = [], []
+        for step, is_sync, finite in unchecked:
+            bad = _bad_rows(finite)
+            if not bad or (self.on_nonfinite == "skip" and len(bad) < self.num_replicas):
                 continue
+            self._last_state, self._next_step = state, t  # the state passed in was donated
+            what = "outer gradient (or outer step)" if is_sync else "loss (or gradient)"
+            when = f"the sync after step {step}" if is_sync else f"step {step}"
             if self.on_nonfinite == "stop":
                 raise NonFiniteError(
-                    f"non-finite outer gradient (or outer step) of replica {bad[0]} at the sync after step {t}; "
-                    f"the global model keeps its last finite values (on_nonfinite='stop'; 'skip' leaves such a "
-                    f"replica out of the mean)"
-                )
-            if len(bad) == self.num_replicas:
-                raise NonFiniteError(
-                    f"non-finite outer gradient (or outer step) in every replica at the sync after step {t}: "
-                    f"on_nonfinite='skip' has nothing left to average"
-                )
+                    f"non-finite {what} of replica {bad[0]} at {when}; the global model keeps its last finite "
+                    f"values, in this error's state (on_nonfinite='stop'; 'skip' leaves such a replica out)",
+                    state=state)
+            raise NonFiniteError(
+                f"non-finite {what} in every replica at {when}: on_nonfinite='skip' has nothing left to "
+                f"{'average' if is_sync else 'train on'}", state=state)
 
     def global_params(self, state: TrainState) -> PyTree:
         """theta_g with in-flight results included (the state is not consumed); ddp: replica 0."""
@@ -170,6 +199,8 @@ class Results:
         dtypes of the model that was bound (theta_g itself is float32 for bfloat16 parameters).
         """
         _require(self._programs is not None, "call init(model) (or restore) before global_model")
+        if state is not self._last_state:
+            check_not_donated(state, "global_model")
         # A copy: the next step donates the state, and the model handed out must outlive it. In the
         # model's own dtypes: theta_g is float32 where the model's parameters are narrower.
         model_dtypes = jax.tree.map(lambda x: x.dtype, self.abstract_state.params)

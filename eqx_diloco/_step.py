@@ -24,6 +24,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._errors import ConfigError
 from ._tree import all_finite
 from ._state import TrainState
 
@@ -42,6 +43,16 @@ def _one_row(f: Callable) -> Callable:
     return on_row
 
 
+def loss_and_aux(out: Any) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """`loss_fn`'s result as (loss, aux) (a bare loss has no aux), refused in one line unless the loss
+    is a scalar: a loss per example would reach JAX's gradient as its own error."""
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    if jnp.shape(loss) != ():
+        raise ConfigError(f"loss_fn must return a scalar loss (or (loss, aux)), got a loss of shape "
+                          f"{tuple(jnp.shape(loss))}: average it over the batch")
+    return loss, aux
+
+
 def replica_grads_auto(loss_fn: LossFn, static: PyTree) -> Callable:
     """One replica's loss, aux and gradient over its whole batch (no `data` collective: the batch's
     split over `data x fsdp` is XLA's to handle)."""
@@ -50,8 +61,7 @@ def replica_grads_auto(loss_fn: LossFn, static: PyTree) -> Callable:
         key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
 
         def objective(p):
-            out = loss_fn(eqx.combine(p, static), batch, step_key)
-            return out if isinstance(out, tuple) else (out, {})
+            return loss_and_aux(loss_fn(eqx.combine(p, static), batch, step_key))
 
         (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)
         return loss, aux, grads, jax.random.key_data(key)
@@ -117,8 +127,7 @@ def make_inner_step(
         shard_key = jax.random.fold_in(step_key, jax.lax.axis_index("data"))
 
         def objective(p):
-            out = loss_fn(eqx.combine(p, static), batch, shard_key)
-            loss, aux = out if isinstance(out, tuple) else (out, {})  # a bare scalar loss is fine too
+            loss, aux = loss_and_aux(loss_fn(eqx.combine(p, static), batch, shard_key))
             return jax.lax.pmean(loss, "data"), jax.lax.pmean(aux, "data")
 
         (loss, aux), grads = eqx.filter_value_and_grad(objective, has_aux=True)(params)

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ._checkpoint import Checkpointer, CheckpointSaveError
+from ._checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
+from ._errors import ConfigError
 from ._syncer import Syncer
 
 KIND = "eqx_diloco.syncer"
@@ -142,3 +143,21 @@ class SyncerCheckpoints:
                 raise
         if error is not None:
             raise error
+
+
+def read_theta(directory: str | Path, *, step: int | None = None) -> tuple[int, list[np.ndarray]]:
+    """(step, theta_g's fragments as flat float32 vectors) of the newest syncer checkpoint in `directory`
+    whose theta reads back and matches its checksums, or of `step`; for export, while a syncer may still
+    be writing (nothing is created, moved or deleted). Raises `ConfigError` naming the folder when there
+    is none to read."""
+    directory = Path(directory).absolute()
+    checkpointer = Checkpointer(directory, every=1, keep=1, read_only=True)
+    try:
+        if step is None and not checkpointer.steps():
+            raise ConfigError(f"no syncer checkpoint in {directory} (the syncer saves one after its merges)")
+        found, _, _, arrays = checkpointer.restore_subtree(("['theta']",), step=step)
+    except CheckpointError as e:
+        raise ConfigError(str(e).replace("no checkpoint", "no syncer checkpoint", 1)) from None
+    finally:
+        checkpointer.close()
+    return found, [np.asarray(a, np.float32).reshape(-1) for a in arrays.values()]  # in fragment order

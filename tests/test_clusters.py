@@ -100,6 +100,20 @@ def test_unreadable_cluster_variables_are_one_line_naming_the_flags(monkeypatch)
         process_layout(Config())
 
 
+@pytest.mark.parametrize(("variable", "value", "says"), [
+    ("SLURM_NTASKS", "0", "0 processes and this is process 0"),  # CL04: ran as a single process
+    ("SLURM_NTASKS", "-3", "-3 processes and this is process 0"),  # CL05
+    ("SLURM_PROCID", "5", "2 processes and this is process 5"),
+])
+def test_a_job_of_no_processes_or_an_id_outside_it_is_one_line(monkeypatch, variable, value, says):
+    _set(monkeypatch, {**slurm_env(1234, 2, 0), variable: value})
+    with pytest.raises(ConfigError) as error:
+        process_layout(Config())
+    assert str(error.value) == (f"JAX's cluster detection found slurm, but its job says {says} (a job has >= 1 "
+                                f"processes, numbered from 0); pass the --dist.* flags, or --dist.cluster none for a "
+                                f"single process")
+
+
 def test_the_island_map_is_contiguous():
     assert island_map(4, 2) == "replicas 0-1 on process 0, replicas 2-3 on process 1"
     assert island_map(2, 2) == "replica 0 on process 0, replica 1 on process 1"

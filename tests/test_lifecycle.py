@@ -74,7 +74,7 @@ def _poison_replica(state, replica: int):
 
 
 def test_stop_raises_from_the_core_and_never_updates_the_global_model():
-    diloco = _averaging(num_fragments=1, sync_period=4)
+    diloco = _averaging(num_fragments=1, sync_period=4, check_losses=False)
     state = _train(diloco, 3)
     last_finite = jax.device_get(state.global_params)
     state = _poison_replica(state, 1)
@@ -87,7 +87,7 @@ def test_stop_raises_from_the_core_and_never_updates_the_global_model():
 
 
 def test_skip_leaves_the_bad_replica_out_and_raises_only_when_all_are_out():
-    diloco = _averaging(num_fragments=1, sync_period=4, on_nonfinite="skip")
+    diloco = _averaging(num_fragments=1, sync_period=4, on_nonfinite="skip", check_losses=False)
     state = _train(diloco, 3)
     state = _poison_replica(state, 1)
     state, _ = diloco.step(state, make_batch(3, 2))
@@ -101,7 +101,7 @@ def test_skip_leaves_the_bad_replica_out_and_raises_only_when_all_are_out():
 
 
 def test_finish_raises_for_a_non_finite_last_sync():
-    diloco = _averaging(num_fragments=1, sync_period=4)
+    diloco = _averaging(num_fragments=1, sync_period=4, check_losses=False)
     state = _poison_replica(_train(diloco, 6), 0)
     with pytest.raises(NonFiniteError, match="replica 0 at the sync after step 6"):
         diloco.finish(state)

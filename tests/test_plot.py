@@ -121,6 +121,22 @@ def test_one_line_errors(tmp_path, capsys, case, message):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("line,message", [
+    ('{"step": 1e400, "loss": 1}', '"step" must be a whole number >= 0 (got Infinity)'),  # NPL1: a traceback
+    ('{"step": -3, "loss": 1}', '"step" must be a whole number >= 0 (got -3)'),
+    ('{"step": 2.5, "loss": 1}', '"step" must be a whole number >= 0 (got 2.5)'),
+    ('{"step": 2, "loss": 1, "sent_bytes": -1e400}', '"sent_bytes" must be a whole number >= 0 (got -Infinity)'),
+])
+def test_a_step_or_byte_count_that_cannot_be_is_a_one_line_error(tmp_path, capsys, line, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2}\n' + line + "\n")
+    assert plot.main([str(run), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {run / 'metrics.jsonl'} line 2: {message}\n", err
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_unknown_output_format_is_one_line_error(tmp_path, capsys):
     run = fake_run(tmp_path / "r", Config())
     assert plot.main([str(run), "--out", str(tmp_path / "x.notaformat")]) == 2

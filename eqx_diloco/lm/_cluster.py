@@ -79,6 +79,10 @@ def _ask_jax(timeout_s: int, hints: tuple[tuple[str, str], ...]) -> DetectedClus
     except (ValueError, KeyError, RuntimeError) as e:  # e.g. SLURM_NTASKS=abc: JAX's int() raises
         raise ConfigError(f"JAX's cluster detection found {name}, but cannot read its job ({type(e).__name__}: {e}); "
                           f"pass the --dist.* flags, or --dist.cluster none for a single process") from None
+    if not (num_processes >= 1 and 0 <= process_id < num_processes):  # e.g. SLURM_NTASKS=0 ran as one process
+        raise ConfigError(f"JAX's cluster detection found {name}, but its job says {num_processes} processes and this "
+                          f"is process {process_id} (a job has >= 1 processes, numbered from 0); pass the --dist.* "
+                          f"flags, or --dist.cluster none for a single process")
     return DetectedCluster(name=name, coordinator=coordinator, num_processes=num_processes, process_id=process_id,
                            job=_job_id(name, coordinator))
 

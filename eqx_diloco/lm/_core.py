@@ -112,6 +112,7 @@ def make_diloco(config: Config, abstract_model: Transformer) -> DiLoCo:
             routers=lambda m: m.router_mask(),
             router_sync_period=d.router_sync_period if diloco else 0,
             on_nonfinite=t.on_nonfinite,
+            check_losses=False,  # the trainer checks the exchanged losses itself: every process stops at one step
             algorithm=config.algorithm,
             mesh=mesh,
             comm_mesh=comm_mesh,

@@ -1,5 +1,6 @@
 """The CLI's devices and meshes from its flags: CPU device count, `jax.distributed`, `build_meshes`."""
 
+import ipaddress
 import os
 import re
 import socket
@@ -168,9 +169,27 @@ def join(coordinator: str, num_processes: int, process_id: int, *, heartbeat_tim
         # CUDA_VISIBLE_DEVICES or $JAX_LOCAL_DEVICE_IDS).
         jax.distributed.initialize(coordinator, num_processes, process_id, cluster_detection_method="deactivate",
                                    heartbeat_timeout_seconds=heartbeat_timeout_s,
-                                   initialization_timeout=int(timeout_s) + _JAX_INIT_MARGIN_S)
+                                   initialization_timeout=int(timeout_s) + _JAX_INIT_MARGIN_S,
+                                   coordinator_bind_address=coordinator_bind_address(coordinator))
     finally:
         joined.set()
+
+
+def coordinator_bind_address(coordinator: str) -> str | None:
+    """Where process 0 listens for the others: on the loopback interface when the coordinator's address
+    is a loopback one (every process on this host: the launcher's `127.0.0.1:PORT`), else where JAX
+    puts it (every interface, `[::]:PORT`, which other hosts need). `$JAX_COORDINATOR_BIND_ADDRESS`,
+    when set, wins. The coordination service has no authentication, and on CPU its key-value store
+    carries compiled programs: on a shared host nothing else should be able to reach it."""
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return os.environ["JAX_COORDINATOR_BIND_ADDRESS"]
+    host, _, port = coordinator.rpartition(":")
+    bare = host.strip("[]")
+    try:
+        loopback = bare == "localhost" or ipaddress.ip_address(bare).is_loopback
+    except ValueError:  # a host name: it may name this host for the others too
+        loopback = False
+    return f"{host}:{port}" if loopback else None
 
 
 def join_timeout_message(coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> str:

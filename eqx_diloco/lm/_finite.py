@@ -47,7 +47,8 @@ class FiniteChecks:
         if bad and self.policy == "stop":
             raise NonFiniteError(
                 f"non-finite {what} in replica {bad[0]} at step {t} (--train.on-nonfinite stop; "
-                f"use skip to drop that replica's contribution)"
+                f"use skip to drop that replica's contribution; a checkpoint saved since the run diverged "
+                f"stops here again: resume an earlier one with --checkpoint.restore-step and a lower --train.lr)"
             )
         return bad
 

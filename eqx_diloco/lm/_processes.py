@@ -309,7 +309,9 @@ def spawn(
     widen = {COMPILE_CPUS_ENV: ",".join(str(c) for c in sorted({c for share in shares for c in share}))} if shares else {}
     procs = []
     for i in range(num_processes):
-        variables = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
+        # Process 0's coordination service (no authentication) listens on the loopback interface only.
+        variables = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                         JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
                          JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1", **widen, **(env[i] if env else {}))
         if not shares:
             variables.pop(COMPILE_CPUS_ENV, None)  # not pinned here: nothing to widen

@@ -2,7 +2,9 @@
 
 The global model is theta_g for DiLoCo / Streaming DiLoCo and replica 0 for ddp (all its
 replicas are equal). It is read from the newest intact checkpoint of the run (the leaves of
-that model only: no mesh, no training devices, no optimizer state), and written as
+that model only: no mesh, no training devices, no optimizer state); for a decoupled run, from
+the syncer's newest checkpoint (`RUN_DIR/syncer/checkpoints`, with `RUN_DIR/syncer/config.json`).
+It is written as
 
 - `OUT` (default `RUN_DIR/model.eqx`): the model's arrays (`equinox.tree_serialise_leaves`);
 - `OUT.json`: the `TransformerConfig` and where the model came from.
@@ -85,7 +87,11 @@ def _assemble(model_config: TransformerConfig, leaves: dict[str, np.ndarray], pr
 
 
 def restore_global_model(run_dir: Path | str, *, step: int | None = None) -> tuple[Transformer, Config, int]:
-    """(global model, config it was trained with, step) from the newest intact checkpoint of `run_dir`."""
+    """(global model, config it was trained with, step) from the newest intact checkpoint of `run_dir`
+    (a decoupled run's: its syncer's)."""
+    syncer = decoupled_syncer_dir(Path(run_dir))
+    if syncer is not None:
+        return _restore_decoupled_global_model(syncer, step=step)
     checkpointer = Checkpointer(checkpoint_dir(Path(run_dir)), every=0, keep=1, read_only=True)
     try:
         if not checkpointer.steps():
@@ -98,6 +104,39 @@ def restore_global_model(run_dir: Path | str, *, step: int | None = None) -> tup
     eager = config.algorithm == "diloco" and config.diloco.outer_overlap == "eager" and prefix == ".global_params"
     model = _assemble(config.model, leaves, prefix, take_first=prefix == ".params", average=eager)
     return model, config, found
+
+
+def decoupled_syncer_dir(run_dir: Path) -> Path | None:
+    """The syncer folder of a decoupled run (`run_dir/syncer`, or `run_dir` itself if it is one), else None."""
+    for folder in (run_dir / "syncer", run_dir):
+        if (folder / "address.json").is_file() or (folder.name == "syncer" and (folder / "checkpoints").is_dir()):
+            return folder
+    return None
+
+
+def _restore_decoupled_global_model(syncer: Path, *, step: int | None) -> tuple[Transformer, Config, int]:
+    """theta_g of the syncer's newest checkpoint that reads back (or `step`, the sum of its fragments'
+    versions), put into the run's model the way the syncer and the islands cut it into fragments."""
+    from .._fragments import Fragmenter
+    from .._island import install_fragment
+    from .._syncer_checkpoint import read_theta
+    from .island import initial_model
+
+    if not (syncer / "config.json").is_file():
+        raise ConfigError(f"{syncer / 'config.json'} does not exist: this decoupled run's syncer did not record its "
+                          f"config (a syncer of an older version)")
+    config = read_run_config(syncer)
+    found, theta = read_theta(syncer / "checkpoints", step=step)
+    params, static = eqx.partition(initial_model(config), eqx.is_inexact_array)
+    d = config.diloco
+    fragmenter = Fragmenter.for_model(params, lambda m: m.blocks, d.num_fragments, d.fragment_pattern)
+    sizes = [sum(int(np.prod(v.shape)) for v in fragmenter.get(params, f)) for f in range(d.num_fragments)]
+    if [t.size for t in theta] != sizes:
+        raise CheckpointError(f"the syncer checkpoint holds fragments of sizes {[t.size for t in theta]}, "
+                              f"{syncer / 'config.json'} makes {sizes}")
+    for fragment, vector in enumerate(theta):
+        params = install_fragment(params, fragmenter, fragment, vector)
+    return eqx.combine(params, static), config, found
 
 
 def save_model(path: Path | str, model: Transformer, info: dict[str, Any] | None = None) -> None:

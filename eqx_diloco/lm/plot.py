@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,15 @@ class Run:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(record: dict[str, Any], key: str, path: Path, line: int) -> int:
+    """`record[key]` (a JSON number) as the whole, non-negative number a step or byte count is, else a
+    `PlotError` naming the line (JSON's 1e400 reads as infinity)."""
+    value = record[key]
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        raise PlotError(f"{path} line {line}: \"{key}\" must be a whole number >= 0 (got {json.dumps(value)})")
+    return int(value)
 
 
 # The config.json fields a label is made of, and the JSON type each must have (when present; missing ones
@@ -98,16 +108,16 @@ def read_run(run_dir: Path | str) -> Run:
     run = Run(run_dir, config)
     sent_at: dict[int, int] = {0: 0}
     eval_lines = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), start=1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line torn by a kill mid-write
         if not isinstance(record, dict) or not _number(record.get("step")):
             continue
-        step = int(record["step"])
+        step = _count(record, "step", metrics, number)
         if _number(record.get("sent_bytes")):
-            sent_at[step] = int(record["sent_bytes"])
+            sent_at[step] = _count(record, "sent_bytes", metrics, number)
         if _number(record.get("loss")):
             run.train.append((step, float(record["loss"]), sent_at.get(step, 0)))
         if _number(record.get("eval_loss")):

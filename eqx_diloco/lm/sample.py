@@ -6,16 +6,21 @@ bytes (invalid UTF-8 shows as U+FFFD). A model trained on tokens from a `tokeniz
 `--tokenizer`, else the one its run's `--data.path` names (`tokenizer_for_tokens`). Other
 models with a vocabulary larger than 256 read and print token ids.
 
-Generation is one jitted program: the tokens live in a fixed buffer, and each new token is
-predicted from a window of the last `context` tokens (the model's training sequence length
-by default), left-aligned and padded on the right while the text is shorter than the window
-(the causal mask keeps the padding out of the prediction). So nothing recompiles per token.
+Generation is one jitted program, called once per chunk of up to 256 tokens (printed as each
+is made): the tokens live in a fixed buffer, and each new token is predicted from a window of
+the last `context` tokens (the model's training sequence length by default), left-aligned and
+padded on the right while the text is shorter than the window (the causal mask keeps the
+padding out of the prediction). So nothing recompiles per token or per chunk, and memory holds
+`context + 256` tokens however many are asked for.
 """
 
 import argparse
+import codecs
 import math
+import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import equinox as eqx
 import jax
@@ -30,20 +35,27 @@ from .export import load_model, read_model_info
 from .token_shards import tokenizer_for_tokens
 
 
+# Tokens generated per program call: the text is printed a chunk at a time, and memory holds a
+# window of `context + CHUNK` tokens however many are asked for.
+CHUNK = 256
+
+
 @eqx.filter_jit
 def _generate(
     model: Transformer,
     buffer: Int[Array, " length"],
-    prompt_len: int,
-    num_new: int,
+    history: Int[Array, ""],
+    num_new: Int[Array, ""],
     context: int,
     temperature: Array,
     top_k: int,
     key: Array,
-) -> Int[Array, " length"]:
+) -> tuple[Int[Array, " length"], Array]:
+    """`num_new` tokens after the first `history` tokens of `buffer` (traced, like `num_new`: one
+    program serves every chunk of a run); returns the buffer and the key to go on with."""
     def body(i, carry):
         buffer, key = carry
-        n = prompt_len + i  # tokens present
+        n = history + i  # tokens present
         start = jnp.maximum(n - context, 0)
         window = jax.lax.dynamic_slice(buffer, (start,), (context,))
         logits = model(window)[n - 1 - start].astype(jnp.float32)
@@ -55,8 +67,41 @@ def _generate(
         token = jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(buffer.dtype)
         return buffer.at[n].set(token), key
 
-    buffer, _ = jax.lax.fori_loop(0, num_new, body, (buffer, key))
-    return buffer
+    return jax.lax.fori_loop(0, num_new, body, (buffer, key))
+
+
+def generate_chunks(
+    model: Transformer,
+    prompt: list[int] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int = 0,
+    context: int = 128,
+    chunk: int = CHUNK,
+) -> Iterator[np.ndarray]:
+    """`generate`'s tokens, `chunk` at a time, each as soon as it is made (the same tokens: every
+    prediction sees the same window of the last `context` tokens, and one key runs through)."""
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if prompt.size == 0:
+        raise ValueError("the prompt needs at least one token")
+    if context < 1 or chunk < 1:
+        raise ValueError(f"context and chunk must be >= 1 (got {context}, {chunk})")
+    chunk = min(chunk, max(max_new_tokens, 1))
+    history = prompt[-context:]  # all a prediction can see of the prompt
+    key = jax.random.key(seed)
+    left = max_new_tokens
+    while left > 0:
+        count = min(chunk, left)
+        buffer = np.zeros((context + chunk,), np.int32)
+        buffer[: history.size] = history
+        out, key = _generate(model, jnp.asarray(buffer), jnp.int32(history.size), jnp.int32(count), int(context),
+                             jnp.float32(temperature), int(min(top_k, model.config.vocab_size)), key)
+        tokens = np.asarray(out[history.size : history.size + count])
+        history = np.concatenate([history, tokens])[-context:]
+        left -= count
+        yield tokens
 
 
 def generate(
@@ -73,27 +118,9 @@ def generate(
 
     Each token sees at most the last `context` tokens. Deterministic for a given `seed`.
     """
-    prompt = np.asarray(prompt, np.int32).reshape(-1)
-    if prompt.size == 0:
-        raise ValueError("the prompt needs at least one token")
-    if context < 1:
-        raise ValueError(f"context must be >= 1 (got {context})")
-    if max_new_tokens <= 0:
-        return np.zeros((0,), np.int32)
-    length = max(prompt.size + max_new_tokens, context)
-    buffer = np.zeros((length,), np.int32)
-    buffer[: prompt.size] = prompt
-    out = _generate(
-        model,
-        jnp.asarray(buffer),
-        int(prompt.size),
-        int(max_new_tokens),
-        int(context),
-        jnp.float32(temperature),
-        int(min(top_k, model.config.vocab_size)),
-        jax.random.key(seed),
-    )
-    return np.asarray(out[prompt.size : prompt.size + max_new_tokens])
+    chunks = list(generate_chunks(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                                  context=context))
+    return np.concatenate(chunks) if chunks else np.zeros((0,), np.int32)
 
 
 def decode(tokens: np.ndarray, vocab_size: int) -> str:
@@ -154,6 +181,9 @@ def find_tokenizer(info: dict, flag: Path | None):
     return tokenizer_for_tokens(data_path) if data_path is not None else None
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m eqx_diloco.sample", description="Print text generated by a model written by eqx_diloco.export."
@@ -175,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                                  ("--top-k", args.top_k, 0)]:
             if value < low:
                 raise ConfigError(f"{flag} must be >= {low} (got {value})")
-        if not math.isfinite(args.temperature):
-            raise ConfigError(f"--temperature must be a finite number >= 0 (got {args.temperature})")
+        if not math.isfinite(args.temperature) or args.temperature > _FLOAT32_MAX:  # it is computed in float32
+            raise ConfigError(f"--temperature must be a finite number >= 0, at most {_FLOAT32_MAX:.3g} (float32; "
+                              f"got {args.temperature})")
         if args.context is not None and args.context < 1:
             raise ConfigError(f"--context must be >= 1 (got {args.context})")
         info = read_model_info(args.model)
@@ -203,20 +234,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     context = args.context or trained or 128
-    tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      seed=args.seed, context=context)
+    try:
+        _print_generated(model, prompt, args, context, tokenizer)
+    except BrokenPipeError:  # the reader stopped reading (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush
+        return 1
+    return 0
+
+
+def _print_generated(model: Transformer, prompt: np.ndarray, args: argparse.Namespace, context: int,
+                     tokenizer) -> None:
+    """The prompt and its continuation on stdout, a chunk at a time: a long run shows its text from the start.
+    With a `tokenizer`, at the end (the text of a chunk's first tokens can depend on the tokens before)."""
+    vocab = model.config.vocab_size
     if tokenizer is not None:
+        tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          seed=args.seed, context=context)
         # Ids past the tokenizer's vocabulary (an end-of-text id prepare appended) have no text: a line break.
         known = tokenizer.get_vocab_size(with_added_tokens=True)
         runs = np.split(tokens, np.flatnonzero(tokens >= known))
         text = "\n".join(tokenizer.decode([int(t) for t in run if t < known], skip_special_tokens=False) for run in runs)
         sys.stdout.write(args.prompt + text + "\n")
         sys.stdout.flush()
-        return 0
-    sep = "" if vocab <= 256 else " "
-    sys.stdout.write(args.prompt + sep + decode(tokens, vocab) + "\n")
+        return
+    sys.stdout.write(args.prompt)
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two chunks
+    for tokens in generate_chunks(model, prompt, args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, seed=args.seed, context=context):
+        if vocab <= 256:
+            sys.stdout.write(text.decode(tokens.astype(np.uint8).tobytes()))
+        else:
+            sys.stdout.write(" " + decode(tokens, vocab))
+        sys.stdout.flush()
+    sys.stdout.write(text.decode(b"", final=True) + "\n")
     sys.stdout.flush()
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ gRPC port, the global model's evaluations, and Orbax checkpoints it resumes from
 
 It writes `RUN_DIR/metrics.jsonl` (the global model's evaluations: `step` is the merged tokens in
 synchronous steps of all islands, `tokens`, `time`, `eval_loss`), `RUN_DIR/syncer/metrics.jsonl` (a
-line per merge), `RUN_DIR/syncer/address.json` (the port it listens on) and, when stopped (SIGTERM or
-SIGINT), `RUN_DIR/syncer/summary.json` (tokens merged and refused, merges).
+line per merge), `RUN_DIR/syncer/address.json` (the port it listens on), `RUN_DIR/syncer/config.json`
+(the run's config without the shared secret, which `python -m eqx_diloco.export` reads) and, when stopped
+(SIGTERM or SIGINT), `RUN_DIR/syncer/summary.json` (tokens merged and refused, merges).
 
 A save of `RUN_DIR/syncer/checkpoints` that fails stops the syncer at once with one line and exit 1
 (`CheckpointSaveError`): serving on, it would lose every merge since the last save. A syncer with no
@@ -13,6 +14,7 @@ is found before any island trains.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -33,7 +35,7 @@ from ._preflight import RunDirLock, check_run_dir_free
 from .config import Config, ConfigError
 from .data import TokenBatches, load_tokens
 from .island import RUN_T0_ENV, initial_model, read_progress, shared_token
-from .metrics import MetricsLog
+from .metrics import MetricsLog, write_config
 from .optimizers import outer_optimizer
 
 
@@ -81,6 +83,7 @@ def _serve(config: Config) -> int:
     t0 = float(os.environ.get(RUN_T0_ENV, time.time()))
     folder = config.run_dir / "syncer"
     folder.mkdir(parents=True, exist_ok=True)
+    write_config(folder, dataclasses.replace(config, decoupled=dataclasses.replace(dc, token=None)))  # for export
     params, static = eqx.partition(initial_model(config), eqx.is_inexact_array)
     fragmenter = Fragmenter.for_model(params, lambda m: m.blocks, d.num_fragments, d.fragment_pattern)
     token, lock, stop = shared_token(config), threading.Lock(), threading.Event()

@@ -252,11 +252,43 @@ def _jax_runtime_error() -> type[BaseException] | tuple[()]:
     return getattr(errors, "JaxRuntimeError", ()) if errors is not None else ()
 
 
+# How long a leaving process waits for its other non-daemon threads (after idle thread-pool workers
+# were told to stop). By then the trainer has waited for its saves, so what is left is idle or stuck.
+THREADS_EXIT_TIMEOUT_S = 60.0
+
+
+def _join_threads(code: int, timeout_s: float = THREADS_EXIT_TIMEOUT_S) -> None:
+    """Join the other non-daemon threads as the interpreter does at exit, within `timeout_s`.
+
+    CPython's own exit first calls the hooks registered with `threading._register_atexit`
+    (`concurrent.futures` stops its idle pool workers there: orbax's metadata store keeps one), and
+    only then joins the threads; joining them without those hooks waits for ever on an idle
+    worker. A thread still running after `timeout_s` is named in one line and the process leaves
+    with `code` (1 if it was 0) instead of hanging."""
+    shutdown = getattr(threading, "_shutdown", None)  # CPython's call at exit: pool hooks, then the joins
+    if shutdown is None:
+        return
+    done = threading.Event()
+
+    def give_up():
+        if done.wait(timeout_s):
+            return
+        names = ", ".join(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        print(f"error: leaving after {timeout_s:.0f} s without waiting for thread(s) still running: {names}",
+              file=sys.stderr, flush=True)
+        os._exit(code or 1)
+
+    threading.Thread(target=give_up, name="eqx_diloco-exit-timeout", daemon=True).start()
+    shutdown()
+    done.set()
+
+
 def entry() -> None:
     """Run `main` and leave with its code through os._exit, without the interpreter's teardown.
 
     A normal end first does everything else an exit is for, in the interpreter's order: other
-    non-daemon threads are joined and the `atexit` handlers run (logging's flush, JAX's
+    non-daemon threads are joined (see `_join_threads`: idle pool workers are stopped first, and
+    the wait is bounded) and the `atexit` handlers run (logging's flush, JAX's
     `jax.distributed.shutdown` barrier and cache clean-up, finalizers such as temporary folders);
     the trainer has closed its own files. What is skipped is the destruction of every module and
     object, JAX's runtime included: about 0.3 s at the end of every run, for a process that is
@@ -266,9 +298,7 @@ def entry() -> None:
         run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's own call at exit
         if run_exit_handlers is None:
             sys.exit(code)
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+        _join_threads(code)
         run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
