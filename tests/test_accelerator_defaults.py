@@ -201,6 +201,43 @@ def test_the_step_runs_as_given_where_it_fits_else_with_remat_block_over_a_rolle
     assert fit_on_device(config, None, "cpu").line is None  # CPU: nothing checked
 
 
+def test_a_step_the_compiler_refuses_as_too_large_is_measured_from_its_message(make_config):
+    """XLA:TPU refuses, at compile time, a program whose temporaries exceed the chip (seen on a TPU v5e at
+    12 x 768, R = 2: the fit check's own compile raised). The check reads the compiler's figure instead."""
+    import jax
+
+    from eqx_diloco.lm._fit import refused_temporaries
+
+    config = _activation_heavy(make_config)
+    compiled = step_memory(config)
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(29.98G) exceeds available HBM (15.75G).")
+
+    def refuse(lowered):
+        raise jax.errors.JaxRuntimeError(message)
+
+    refused = step_memory(config, compile=refuse)
+    assert refused.temporaries == int(29.98 * 2**30) == refused_temporaries(jax.errors.JaxRuntimeError(message))
+    assert refused.state == compiled.state and refused.total == refused.state + refused.temporaries
+    # Measured that way, the step does not fit a 16 GiB device as given, and the lean flags are tried next.
+    calls = []
+
+    def measure(c):
+        calls.append(c.model.remat)
+        return refused if c.model.remat == "none" else compiled
+
+    fit = fit_on_device(config, 16 * 2**30, "tpu", measure=measure)
+    assert calls == ["none", "block"] and fit.config.model.remat == "block"
+    # Any other compile error is not a measurement: it propagates.
+    assert refused_temporaries(jax.errors.JaxRuntimeError("INTERNAL: something else")) is None
+
+    def broken(lowered):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        step_memory(config, compile=broken)
+
+
 def test_a_step_that_fits_nowhere_says_what_would(make_config):
     config = _activation_heavy(make_config)
     need = step_memory(dataclasses.replace(config, model=dataclasses.replace(config.model, remat="block",

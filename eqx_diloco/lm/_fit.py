@@ -5,6 +5,7 @@ what would fit."""
 
 import dataclasses
 import math
+import re
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -36,8 +37,11 @@ class StepMemory:
     per_device: int
 
 
-def step_memory(config: "Config") -> StepMemory:
-    """Compile `config`'s inner step on abstract inputs (nothing is allocated) and read its memory."""
+def step_memory(config: "Config", *, compile=lambda lowered: lowered.compile()) -> StepMemory:
+    """Compile `config`'s inner step on abstract inputs (nothing is allocated) and read its memory.
+
+    A compiler that refuses a program larger than the device (XLA:TPU does, at compile time) gives its
+    figure for the temporaries instead (`refused_temporaries`). `compile` is the seam tests use."""
     from ._core import make_diloco
 
     abstract_model = eqx.filter_eval_shape(Transformer, config.model, key=jax.random.key(0))
@@ -48,11 +52,36 @@ def step_memory(config: "Config") -> StepMemory:
                          core.abstract_state, core.shardings)
     batch = jax.ShapeDtypeStruct((config.diloco.num_replicas, t.batch_size, t.seq_len + 1), "int32",
                                  sharding=NamedSharding(core.mesh, BATCH_SPEC))
-    analysis = core.inner_step.lower(state, batch).compile().memory_analysis()
+    per_device = config.diloco.num_replicas // core.mesh.shape["diloco"]
+    try:
+        analysis = compile(core.inner_step.lower(state, batch)).memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        temporaries = refused_temporaries(e)
+        if temporaries is None:
+            raise
+        arguments = sum(_bytes_per_device(x) for x in jax.tree.leaves((state, batch)))
+        return StepMemory(arguments, temporaries, arguments + temporaries, per_device)
     outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
     total = analysis.argument_size_in_bytes + outputs + analysis.temp_size_in_bytes
-    per_device = config.diloco.num_replicas // core.mesh.shape["diloco"]
     return StepMemory(analysis.argument_size_in_bytes, analysis.temp_size_in_bytes, total, per_device)
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def refused_temporaries(error: Exception) -> int | None:
+    """The temporaries, in bytes, of a program the compiler refused as larger than the device, read from
+    its message (XLA:TPU: "RESOURCE_EXHAUSTED: ... memory required for HLO temporaries (29.98G) exceeds
+    available HBM (15.75G)"), or None for any other error."""
+    text = str(error)
+    found = re.search(r"temporaries \(([0-9.]+)([KMGT]?)\)", text)
+    if "RESOURCE_EXHAUSTED" not in text or found is None:
+        return None
+    return int(float(found.group(1)) * _UNITS[found.group(2)])
+
+
+def _bytes_per_device(x: jax.ShapeDtypeStruct) -> int:
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
