@@ -64,6 +64,17 @@ def test_a_decoupled_run_exports_the_syncers_theta_g(tmp_path, capsys):
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert abs(loss - last["eval_loss"]) < 1e-5, (loss, last)
 
+    # The export names the folder that holds the run's config, and evaluate takes the run folder and the
+    # export alike (the run's own held-out split, the same loss from both).
+    from eqx_diloco.lm.evaluate import main as evaluate_main
+
+    assert read_model_info(out)["run_dir"] == str((run / "syncer").absolute())
+    losses = []
+    for model in (run, out):
+        assert evaluate_main([str(model), "--json", "--sequences", "4"]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["held_out"]["loss"])
+    assert losses[0] == losses[1], losses
+
     older = tmp_path / "older.eqx"
     assert export_main([str(run), str(older), "--step", str(sum(versions) - 1)]) == 0
     assert read_model_info(older)["step"] == sum(versions) - 1

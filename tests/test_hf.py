@@ -454,3 +454,16 @@ def test_decoupled_islands_and_the_syncer_start_from_the_folder(tmp_path, make_c
     expected = hf_tensors(source)
     for name, value in hf_tensors(model).items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_the_runs_tokenizer_is_named_even_when_its_file_is_gone(tmp_path):
+    """Export says the run's tokenizer no longer exists (and writes none) instead of leaving it out silently."""
+    from eqx_diloco.lm.hf import run_tokenizer
+
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(b"\0\0")
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 64,
+                                                          "tokenizer": str(tmp_path / "gone.json")}))
+    config = Config(data=DataConfig(source="tokens", path=tokens))
+    assert run_tokenizer(config) == tmp_path / "gone.json"
+    assert run_tokenizer(Config(data=DataConfig(source="synthetic"))) is None

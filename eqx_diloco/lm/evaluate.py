@@ -152,6 +152,10 @@ def model_kind(path: Path) -> str:
         return "hf"
     if "algorithm" in config or (path / "checkpoints").is_dir() or any(p.name.isdigit() for p in path.iterdir()):
         return "run"
+    from .export import decoupled_syncer_dir
+
+    if decoupled_syncer_dir(path) is not None:  # a decoupled run: its syncer holds config and theta_g
+        return "run"
     raise ConfigError(f"MODEL {path} is none of an .eqx export, a run folder (config.json and checkpoints) or a "
                       f"Hugging Face folder (config.json and *.safetensors)")
 

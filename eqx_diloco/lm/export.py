@@ -119,15 +119,20 @@ def _restore_decoupled_global_model(syncer: Path, *, step: int | None) -> tuple[
     versions), put into the run's model the way the syncer and the islands cut it into fragments."""
     from .._fragments import Fragmenter
     from .._island import install_fragment
-    from .._syncer_checkpoint import read_theta
     from .island import initial_model
+    from .._syncer_checkpoint import read_theta
 
     if not (syncer / "config.json").is_file():
         raise ConfigError(f"{syncer / 'config.json'} does not exist: this decoupled run's syncer did not record its "
                           f"config (a syncer of an older version)")
     config = read_run_config(syncer)
     found, theta = read_theta(syncer / "checkpoints", step=step)
-    params, static = eqx.partition(initial_model(config), eqx.is_inexact_array)
+    # Zeros of the model's shapes, every one overwritten below: no random init, and no read of a
+    # --model.init-from folder that may have moved since.
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), _abstract_model(config.model))
+    params, static = eqx.partition(zeros, eqx.is_inexact_array)
+    if jax.tree.leaves(static):  # arrays no fragment carries would stay zeros: make them as the syncer did
+        params, static = eqx.partition(initial_model(config), eqx.is_inexact_array)
     d = config.diloco
     fragmenter = Fragmenter.for_model(params, lambda m: m.blocks, d.num_fragments, d.fragment_pattern)
     sizes = [sum(int(np.prod(v.shape)) for v in fragmenter.get(params, f)) for f in range(d.num_fragments)]
@@ -199,7 +204,8 @@ def export(run_dir: Path | str, out: Path | str, *, step: int | None = None) -> 
     info = {
         "step": found,
         "algorithm": config.algorithm,
-        "run_dir": str(Path(run_dir).absolute()),
+        # The folder holding the run's config.json (a decoupled run's: its syncer's), for evaluate and sample.
+        "run_dir": str((decoupled_syncer_dir(Path(run_dir)) or Path(run_dir)).absolute()),
         "seq_len": config.train.seq_len,  # the context length it was trained on
         "data_source": config.data.source,
     }

@@ -287,13 +287,14 @@ def write_hf(model: Transformer, out: Path | str, *, max_positions: int = 2048,
 
 def run_tokenizer(run_config) -> Path | None:
     """The `tokenizers` JSON a run's tokens were made with (the copy beside a token folder's shards, or
-    the file a single token file's metadata names), or None: another data source, or none recorded."""
-    from .token_shards import tokenizer_file_for_tokens
+    the file a single token file's metadata names; it may no longer exist), or None: another data
+    source, or none recorded."""
+    from .token_shards import named_tokenizer_file
 
     data = run_config.data
     if data.source != "tokens" or data.path is None:
         return None
-    return tokenizer_file_for_tokens(data.path)
+    return named_tokenizer_file(data.path)
 
 
 def export_hf(run_dir: Path | str, out: Path | str, *, step: int | None = None) -> dict[str, Any]:

@@ -156,26 +156,31 @@ class ShardedTokens:
         return max(values)
 
 
-def tokenizer_file_for_tokens(path: Path | str) -> Path | None:
-    """The `tokenizers` JSON file the ids at `path` came from, or None when they name none.
+def named_tokenizer_file(path: Path | str) -> Path | None:
+    """The `tokenizers` JSON file the metadata of the ids at `path` names, whether or not it still exists;
+    None when none is named or the metadata is missing or unreadable.
 
     `path` is what `--data.path` takes with `--data.source tokens`: a token folder (its
     `tokens.json` names the copy of the tokenizer beside the shards) or a single token file
-    (its `<file>.json` names the tokenizer file `prepare` read). None also when metadata is
-    missing or unreadable, or the named file no longer exists.
+    (its `<file>.json` names the tokenizer file `prepare` read).
     """
     path = Path(path)
     try:
         if path.is_dir():
             meta = json.loads((path / FOLDER_META_NAME).read_text())
             named = meta.get("tokenizer") if isinstance(meta, dict) else None
-            file = path / named if isinstance(named, str) and Path(named).name == named else None
-        else:
-            meta = json.loads(Path(f"{path}.json").read_text())
-            named = meta.get("tokenizer") if isinstance(meta, dict) else None
-            file = Path(named) if isinstance(named, str) and named else None
+            return path / named if isinstance(named, str) and Path(named).name == named else None
+        meta = json.loads(Path(f"{path}.json").read_text())
+        named = meta.get("tokenizer") if isinstance(meta, dict) else None
+        return Path(named) if isinstance(named, str) and named else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+
+
+def tokenizer_file_for_tokens(path: Path | str) -> Path | None:
+    """The `tokenizers` JSON file the ids at `path` came from (`named_tokenizer_file`), or None when none is
+    named or the named file no longer exists."""
+    file = named_tokenizer_file(path)
     return file if file is not None and file.is_file() else None
 
 
